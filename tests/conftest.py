@@ -1,0 +1,34 @@
+"""Test settings: a private AIRFLOW_HOME with an SQLite database, set before Airflow is imported."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+_HOME = os.environ.get("SANDBOX_TEST_AIRFLOW_HOME") or tempfile.mkdtemp(prefix="sandbox-tests-airflow-")
+os.environ["AIRFLOW_HOME"] = _HOME
+os.environ.setdefault("AIRFLOW__CORE__UNIT_TEST_MODE", "True")
+os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
+os.environ["AIRFLOW__DATABASE__LOAD_DEFAULT_CONNECTIONS"] = "False"
+os.environ.setdefault(
+    "AIRFLOW__CORE__DAGS_FOLDER",
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "sandbox_provider", "example_dags"),
+)
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def add_connection(monkeypatch):
+    """Define an Airflow connection through its environment variable; returns a function."""
+
+    def _add(conn_id: str, conn_type: str, *, extra: dict | None = None, **fields) -> str:
+        value = {"conn_type": conn_type, **fields}
+        if extra is not None:
+            value["extra"] = json.dumps(extra)
+        monkeypatch.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(value))
+        return conn_id
+
+    return _add
