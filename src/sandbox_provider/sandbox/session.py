@@ -1,0 +1,391 @@
+"""
+The session engine: one object owns one sandbox's life for one job, for every consumer.
+
+``SandboxOperator``, ``@task.sandbox`` and ``SandboxToolset`` all drive a sandbox through
+:class:`SandboxSession`, so provisioning, attaching, staging, exporting and teardown behave the
+same everywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
+from sandbox_provider.sandbox.hook import SandboxHook
+from sandbox_provider.sandbox.spec import (
+    AttachedSandbox,
+    SandboxExecResult,
+    SandboxSpec,
+    check_positive,
+    dag_run_owner,
+    is_sandbox_handle,
+)
+from sandbox_provider.sandbox.transfer import (
+    DEFAULT_MAX_EXPORT_BYTES,
+    ExportRecord,
+    check_storage_url,
+    check_transfer_map,
+    export_files,
+    stage_files,
+    stage_inputs,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SandboxSession", "task_holder"]
+
+_RELEASE_ATTEMPTS = 3
+
+
+def task_holder(context: Mapping[str, Any]) -> str:
+    """
+    Return the holder token of the running task: ``"<dag_id>/<run_id>/<task_id>"``, plus
+    ``"[<map_index>]"`` for a mapped task. The try number is left out, so a retry is the same holder.
+    """
+    ti = context["ti"]
+    holder = f"{ti.dag_id}/{ti.run_id}/{ti.task_id}"
+    map_index = getattr(ti, "map_index", -1)
+    if isinstance(map_index, int) and map_index >= 0:
+        holder += f"[{map_index}]"
+    return holder
+
+
+class SandboxSession:
+    """
+    Provision (or attach to) one sandbox, stage its inputs, run work in it, then export and tear down.
+
+    Nothing is provisioned until the first call that needs the sandbox (:meth:`ensure`). Use it as a
+    context manager (``with`` or ``async with``); leaving the block calls :meth:`close` with whether
+    the block succeeded.
+
+    :param hook: the backend.
+    :param spec: the spec to provision with; None means ``SandboxSpec()`` (no network, no env).
+    :param attach_to: handle of a sandbox another task provisioned; needs an attachable backend.
+    :param owner: the owner the attached sandbox must carry. Default: the current Dag run
+        (:func:`dag_run_owner`).
+    :param holder: who holds the sandbox while attached. Default: the current task (:func:`task_holder`).
+    :param files: ``{sandbox path: text or bytes}`` written in right after provisioning.
+    :param inputs: ``{sandbox path: storage URL}`` streamed in right after provisioning.
+    :param input_conn_id: Airflow connection for the input URLs.
+    :param exports: ``{sandbox path: storage URL}`` copied out when the session closes after success.
+    :param export_conn_id: Airflow connection for the export URLs.
+    :param max_export_bytes: the largest file an export copies, in bytes (default 1 GiB).
+    :param keep: what happens to the sandbox at close. None (default): destroy one this session
+        provisioned, release one it attached to. True: leave it standing (and released). False:
+        destroy it even when attached, for a task that collects and cleans up.
+    :param context: the Airflow task context, for the default owner and holder.
+    :param clock: monotonic clock in seconds, injectable for tests.
+    :raises ValueError: on bad arguments, before anything is provisioned.
+    """
+
+    def __init__(
+        self,
+        hook: SandboxHook,
+        *,
+        spec: SandboxSpec | None = None,
+        attach_to: str | None = None,
+        owner: str | None = None,
+        holder: str | None = None,
+        files: Mapping[str, str | bytes] | None = None,
+        inputs: Mapping[str, str] | None = None,
+        input_conn_id: str | None = None,
+        exports: Mapping[str, str] | None = None,
+        export_conn_id: str | None = None,
+        max_export_bytes: int = DEFAULT_MAX_EXPORT_BYTES,
+        keep: bool | None = None,
+        context: Mapping[str, Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(hook, SandboxHook):
+            raise ValueError(f"A sandbox session needs a SandboxHook, got {type(hook).__name__}.")
+        self.hook = hook
+        self.attach_mode = attach_to is not None
+        if self.attach_mode:
+            if not hook.attachable:
+                raise ValueError(
+                    f"attach_to needs a backend that can find a sandbox from another task, and {hook.name!r} "
+                    "cannot. Drop attach_to to provision a sandbox here, or provision on an attachable backend."
+                )
+            if not is_sandbox_handle(attach_to):
+                raise SandboxTerminalError(
+                    f"attach_to is {attach_to!r}, which is not a sandbox handle. The task that provisions the "
+                    "sandbox returned nothing, or this task ran before it; check the upstream task and its XCom."
+                )
+            if spec is not None:
+                raise ValueError("spec cannot be combined with attach_to: the sandbox already exists with its own spec.")
+        elif owner is not None:
+            raise ValueError("owner only applies together with attach_to.")
+        if spec is not None and not isinstance(spec, SandboxSpec):
+            raise ValueError(f"spec must be a SandboxSpec, got {type(spec).__name__}.")
+        self.spec = spec if spec is not None or self.attach_mode else SandboxSpec()
+        self.attach_to = attach_to.strip() if self.attach_mode else None
+        self.files = check_transfer_map(files, "files", urls=False)
+        self.inputs = check_transfer_map(inputs, "inputs", urls=True)
+        self.exports = check_transfer_map(exports, "exports", urls=True)
+        self.input_conn_id = input_conn_id
+        self.export_conn_id = export_conn_id
+        self.max_export_bytes = int(check_positive(max_export_bytes, "max_export_bytes"))
+        self.keep = keep
+        self._context = context
+        self._owner = owner
+        self._holder = holder
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._handle: str | None = None
+        self._attached: AttachedSandbox | None = None
+        self._expires_at: float | None = None
+        self._ended = False
+        self._closed = False
+        self.export_records: list[ExportRecord] = []
+
+    # -- identity ------------------------------------------------------------------------------------
+
+    def _identity(self) -> tuple[str, str]:
+        context = self._context
+        if context is None and (self._owner is None or self._holder is None):
+            try:
+                from airflow.sdk import get_current_context
+
+                context = get_current_context()
+            except Exception:
+                context = None
+        owner = self._owner or (dag_run_owner(context) if context else None)
+        if not owner:
+            raise SandboxTerminalError(
+                "attach_to needs an owner. Outside a running task, pass owner=... matching the "
+                "SandboxSpec.owner the sandbox was provisioned with."
+            )
+        holder = self._holder or (task_holder(context) if context else owner)
+        return owner, holder
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    @property
+    def handle(self) -> str | None:
+        """The sandbox's handle, or None before anything was provisioned or attached."""
+        return self._handle
+
+    @property
+    def attached(self) -> AttachedSandbox | None:
+        """What attaching reported (remaining lifetime, network, workdir), in attach mode."""
+        return self._attached
+
+    def open(self) -> None:
+        """Check what can be checked before provisioning (rendered export and input URLs)."""
+        for path, url in self.exports.items():
+            check_storage_url(url, f"exports[{path!r}]")
+        for path, url in self.inputs.items():
+            check_storage_url(url, f"inputs[{path!r}]")
+        if self.attach_mode:
+            self.ensure()
+
+    def ensure(self) -> str:
+        """
+        Return the sandbox's handle, provisioning or attaching on first use, then staging inputs.
+
+        :raises SandboxTerminalError: if provisioning, attaching or staging fails, or the session
+            is closed, or an attached sandbox ended.
+        """
+        with self._lock:
+            if self._closed:
+                raise SandboxTerminalError("This sandbox session is closed; open a new one.")
+            if self._handle is not None:
+                return self._handle
+            if self._ended:
+                raise SandboxTerminalError(
+                    f"Not attached to sandbox {self.attach_to!r}: the sandbox ended, and a sandbox another task "
+                    "owns is not replaced."
+                )
+            if self.attach_mode:
+                owner, holder = self._identity()
+                try:
+                    attached = self.hook.attach(self.attach_to, owner=owner, holder=holder)
+                except SandboxTerminalError:
+                    raise
+                except SandboxError as err:
+                    raise SandboxTerminalError(
+                        f"Could not attach to sandbox {self.attach_to!r} on backend {self.hook.name!r}: {err}"
+                    ) from err
+                self._attached = attached
+                self._holder = holder
+                if attached.remaining_lifetime is not None:
+                    self._expires_at = self._clock() + attached.remaining_lifetime
+                self._handle = attached.handle
+                left = "an unknown part" if attached.remaining_lifetime is None else f"{attached.remaining_lifetime:.0f}s"
+                log.info(
+                    "Attached to sandbox %s on backend %s as %s; %s of its lifetime remain",
+                    attached.handle,
+                    self.hook.name,
+                    holder,
+                    left,
+                )
+            else:
+                try:
+                    handle = self.hook.create(spec=self.spec)
+                except SandboxTerminalError:
+                    raise
+                except SandboxError as err:
+                    raise SandboxTerminalError(
+                        f"Could not provision a sandbox on backend {self.hook.name!r}: {err}"
+                    ) from err
+                self._handle = handle
+                log.info("Provisioned sandbox %s on backend %s", handle, self.hook.name)
+            try:
+                stage_files(self.hook, self._handle, self.files)
+                stage_inputs(self.hook, self._handle, self.inputs, conn_id=self.input_conn_id)
+            except SandboxError as err:
+                raise SandboxTerminalError(f"Could not stage the inputs of sandbox {self._handle}: {err}") from err
+            return self._handle
+
+    def remaining_lifetime(self) -> float | None:
+        """Seconds left for an attached sandbox, by the local clock; None when unknown."""
+        if self._expires_at is None:
+            return None
+        return max(0.0, self._expires_at - self._clock())
+
+    def run(self, command: str, *, timeout: float, max_output_bytes: int) -> SandboxExecResult:
+        """
+        Run ``command`` in the sandbox (provisioning it first if needed).
+
+        For an attached sandbox the timeout is clamped to the lifetime it has left.
+
+        :raises SandboxTerminalError: if the sandbox ended, or an attached one stopped mid-command.
+        """
+        check_positive(timeout, "timeout")
+        check_positive(max_output_bytes, "max_output_bytes")
+        handle = self.ensure()
+        budget = float(timeout)
+        left = self.remaining_lifetime()
+        if left is not None:
+            if left <= 0:
+                raise SandboxTerminalError(f"Sandbox {handle} has reached the end of its lifetime.")
+            budget = min(budget, max(1.0, left))
+        result = self.hook.run_command(handle, command, timeout=budget, max_output_bytes=int(max_output_bytes))
+        if budget < timeout and result.applied_timeout is None:
+            result = _with_applied_timeout(result, budget)
+        if result.sandbox_terminated:
+            with self._lock:
+                self._handle = None
+                if self.attach_mode:
+                    self._ended = True
+                    raise SandboxTerminalError(
+                        f"The sandbox this task attached to, {self.attach_to!r}, stopped while running a command. "
+                        "The task that provisioned it decides its lifetime, so nothing can replace it here."
+                    )
+        return result
+
+    def read_file(self, path: str, *, max_bytes: int) -> bytes:
+        return self.hook.read_file(self.ensure(), path, max_bytes=max_bytes)
+
+    def write_file(self, path: str, data: bytes) -> None:
+        self.hook.write_file(self.ensure(), path, data)
+
+    def list_directory(self, path: str = ".") -> list[tuple[str, bool]]:
+        return self.hook.list_directory(self.ensure(), path)
+
+    def close(self, *, succeeded: bool = True) -> list[ExportRecord]:
+        """
+        End the session: export (after success only), then destroy, release, or keep the sandbox.
+
+        Destroy and release failures are logged with the handle and never mask the job's own error.
+
+        :returns: the exported files, in the order given.
+        :raises SandboxTerminalError: if an export fails, or the run ended with no sandbox standing
+            while files were to be exported.
+        """
+        with self._lock:
+            if self._closed:
+                return self.export_records
+            self._closed = True
+            handle, self._handle = self._handle, None
+        try:
+            if succeeded and self.exports:
+                if handle is None:
+                    names = ", ".join(repr(p) for p in self.exports)
+                    raise SandboxTerminalError(
+                        f"The run ended with no sandbox standing, so none of the files it was to export exist: {names}."
+                    )
+                self.export_records = export_files(
+                    self.hook, handle, self.exports, conn_id=self.export_conn_id, max_bytes=self.max_export_bytes
+                )
+            return self.export_records
+        finally:
+            if handle is not None:
+                self._teardown(handle)
+
+    def _teardown(self, handle: str) -> None:
+        destroy = (not self.attach_mode) if self.keep is None else (self.keep is False)
+        if destroy:
+            try:
+                self.hook.destroy(handle)
+                log.info("Destroyed sandbox %s on backend %s", handle, self.hook.name)
+            except Exception:
+                log.warning(
+                    "Failed to destroy sandbox %s on backend %s; it may need manual cleanup",
+                    handle,
+                    self.hook.name,
+                    exc_info=True,
+                )
+            return
+        if self.attach_mode and self._holder:
+            self._release(handle, self._holder)
+        else:
+            log.info("Keeping sandbox %s on backend %s for a later task", handle, self.hook.name)
+
+    def _release(self, handle: str, holder: str) -> None:
+        for attempt in range(1, _RELEASE_ATTEMPTS + 1):
+            try:
+                self.hook.release(handle, holder=holder)
+                return
+            except SandboxTerminalError:
+                log.info("Sandbox %s has ended; nothing to release", handle)
+                return
+            except Exception:
+                if attempt == _RELEASE_ATTEMPTS:
+                    log.warning("Could not release sandbox %s; holder %r is left on it", handle, holder, exc_info=True)
+                    return
+                time.sleep(1.0)
+
+    # -- context managers ----------------------------------------------------------------------------
+
+    def __enter__(self) -> SandboxSession:
+        self.open()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(succeeded=exc_type is None)
+
+    async def __aenter__(self) -> SandboxSession:
+        await asyncio.to_thread(self.open)
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        failed = exc_type is not None or sys.exc_info()[0] is not None
+        await asyncio.to_thread(self.close, succeeded=not failed)
+
+    async def aensure(self) -> str:
+        return await asyncio.to_thread(self.ensure)
+
+    async def arun(self, command: str, *, timeout: float, max_output_bytes: int) -> SandboxExecResult:
+        return await asyncio.to_thread(self.run, command, timeout=timeout, max_output_bytes=max_output_bytes)
+
+    async def aread_file(self, path: str, *, max_bytes: int) -> bytes:
+        return await asyncio.to_thread(self.read_file, path, max_bytes=max_bytes)
+
+    async def awrite_file(self, path: str, data: bytes) -> None:
+        await asyncio.to_thread(self.write_file, path, data)
+
+    async def alist_directory(self, path: str = ".") -> list[tuple[str, bool]]:
+        return await asyncio.to_thread(self.list_directory, path)
+
+
+def _with_applied_timeout(result: SandboxExecResult, budget: float) -> SandboxExecResult:
+    from dataclasses import replace
+
+    return replace(result, applied_timeout=budget)
