@@ -1,0 +1,321 @@
+"""``SandboxOperator``: run a shell command in an isolated sandbox, with files in and files out."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowException, AirflowSkipException
+
+from sandbox_provider.hooks import get_sandbox_hook
+from sandbox_provider.sandbox.hook import SandboxHook
+from sandbox_provider.sandbox.output import tail_text
+from sandbox_provider.sandbox.session import SandboxSession
+from sandbox_provider.sandbox.spec import SandboxExecResult, SandboxSpec, check_positive, dag_run_owner
+from sandbox_provider.sandbox.transfer import DEFAULT_MAX_EXPORT_BYTES, check_transfer_map
+
+if TYPE_CHECKING:
+    from airflow.sdk import Context
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SandboxCommandError", "SandboxOperator"]
+
+#: Default command deadline, in seconds.
+DEFAULT_TIMEOUT = 1800.0
+#: Default bytes of each output stream the backend keeps (the tail), per command.
+DEFAULT_MAX_OUTPUT_BYTES = 1024 * 1024
+#: Characters of each stream kept in the XCom and in a failure message.
+TAIL_CHARS = 2000
+
+
+class SandboxCommandError(AirflowException):
+    """The command in the sandbox exited non-zero, timed out, or lost its sandbox."""
+
+
+def _is_reference(value: Any) -> bool:
+    """True for a value Airflow resolves when the task runs, such as an ``XComArg``."""
+    from airflow.sdk.definitions._internal.mixins import ResolveMixin
+
+    return isinstance(value, ResolveMixin)
+
+
+def _check_exit_codes(value: Any) -> frozenset[int]:
+    if value is None:
+        return frozenset()
+    if isinstance(value, int) and not isinstance(value, bool):
+        return frozenset({value})
+    if isinstance(value, Collection) and not isinstance(value, (str, bytes)):
+        codes = list(value)
+        if all(isinstance(c, int) and not isinstance(c, bool) for c in codes):
+            return frozenset(codes)
+    raise ValueError(f"skip_on_exit_code must be an exit status or a list of them, got {value!r}.")
+
+
+def _check_conn_id(value: Any, name: str) -> str | None:
+    if value is None or (isinstance(value, str) and value.strip()):
+        return value
+    raise ValueError(f"{name} must be the id of an Airflow connection, or None; got {value!r}.")
+
+
+class SandboxOperator(BaseOperator):
+    """
+    Run a shell ``command`` in a sandbox: provision it (or attach to one), stage files in, run,
+    export files out after success, and destroy it (or release or keep it).
+
+    The command runs through ``sh -c`` in the sandbox's working directory (``/workspace`` on the
+    local backend). A non-zero exit fails the task with the tail of standard error, unless the
+    status is listed in ``skip_on_exit_code``.
+
+    Building the operator touches no connection: ``backend`` is resolved when the task runs.
+
+    :param command: the shell command (templated). May be None only with ``keep_sandbox=True``,
+        to provision and stage a sandbox for later tasks without running anything.
+    :param backend: a :class:`~sandbox_provider.sandbox.hook.SandboxHook` instance, the id of an
+        Airflow connection of a sandbox type, or None (default) for the local bubblewrap backend.
+    :param spec: what the sandbox must be (network, environment, owner); default ``SandboxSpec()``,
+        which blocks the network. Not allowed with ``attach_to``.
+    :param files: ``{sandbox path: text or bytes}`` written into the sandbox before the command.
+    :param inputs: ``{sandbox path: storage URL}`` streamed into the sandbox before the command
+        (templated); any URL ``ObjectStoragePath`` opens (``s3://``, ``gs://``, ``file:///``).
+    :param exports: ``{sandbox path: storage URL}`` copied out after the command succeeds
+        (templated). All or nothing: a failed copy changes no destination.
+    :param input_conn_id: Airflow connection for the input URLs.
+    :param export_conn_id: Airflow connection for the export URLs.
+    :param timeout: seconds before the command's process tree is killed; default 1800.
+    :param max_output_bytes: bytes of each output stream kept (the tail); default 1 MiB.
+    :param max_export_bytes: the largest file one export copies, in bytes; default 1 GiB.
+    :param skip_on_exit_code: exit status, or statuses, that skip the task instead of failing it.
+    :param attach_to: handle of a sandbox an earlier task provisioned with ``keep_sandbox=True``
+        (templated), e.g. ``"{{ ti.xcom_pull(task_ids='provision') }}"``. Needs an attachable backend.
+    :param owner: with ``attach_to``, the owner the sandbox must carry (default: this Dag run).
+        With ``keep_sandbox=True``, the owner stamped on the new sandbox (default: this Dag run).
+    :param keep_sandbox: None (default) destroys a sandbox this task provisioned and releases one it
+        attached to. True leaves the sandbox standing for later tasks and returns its handle as the
+        XCom; on an attachable backend a new sandbox is stamped with ``owner`` unless ``spec.owner``
+        is set. False destroys the sandbox even when attached: for the task that collects and cleans up.
+        A failed task never leaves a sandbox it provisioned behind.
+    :returns: (XCom) with ``keep_sandbox=True``, the handle; otherwise
+        ``{"exit_code": int, "stdout": str, "stderr": str, "exports": {sandbox path: URL}}`` where the
+        outputs are tails of at most 2000 characters.
+    :raises ValueError: at construction, for any bad static argument; at run time, for a rendered
+        value that is bad (an export URL that is not a URL), before anything is provisioned.
+    :raises SandboxCommandError: on a non-zero exit, a timeout, or a sandbox that ended.
+    """
+
+    template_fields: Sequence[str] = ("command", "inputs", "exports", "attach_to")
+    template_fields_renderers = {"command": "bash", "inputs": "json", "exports": "json"}
+    ui_color = "#e6f2ea"
+
+    def __init__(
+        self,
+        *,
+        command: str | None,
+        backend: SandboxHook | str | None = None,
+        spec: SandboxSpec | None = None,
+        files: Mapping[str, str | bytes] | None = None,
+        inputs: Mapping[str, str] | None = None,
+        exports: Mapping[str, str] | None = None,
+        input_conn_id: str | None = None,
+        export_conn_id: str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+        max_export_bytes: int = DEFAULT_MAX_EXPORT_BYTES,
+        skip_on_exit_code: int | Collection[int] | None = None,
+        attach_to: str | None = None,
+        owner: str | None = None,
+        keep_sandbox: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if command is None:
+            if keep_sandbox is not True:
+                raise ValueError(
+                    "command is required; it may be None only with keep_sandbox=True, to provision a sandbox "
+                    "for later tasks without running anything."
+                )
+        elif not isinstance(command, str) or not command.strip():
+            raise ValueError(f"command must be a non-empty shell command, got {command!r}.")
+        if backend is not None and not isinstance(backend, SandboxHook):
+            if not isinstance(backend, str) or not backend.strip():
+                raise ValueError(
+                    "backend must be a sandbox hook, the id of a sandbox connection, or None for the local "
+                    f"backend; got {backend!r}."
+                )
+        if spec is not None and not isinstance(spec, SandboxSpec):
+            raise ValueError(f"spec must be a SandboxSpec, got {type(spec).__name__}.")
+        if keep_sandbox not in (None, True, False):
+            raise ValueError(f"keep_sandbox must be None, True or False, got {keep_sandbox!r}.")
+        if attach_to is not None and not _is_reference(attach_to):
+            if not isinstance(attach_to, str) or not attach_to.strip() or attach_to.strip() == "None":
+                raise ValueError(
+                    f"attach_to is {attach_to!r}, which is not a sandbox handle. Pass the handle the provisioning "
+                    "task returned, e.g. \"{{ ti.xcom_pull(task_ids='provision') }}\", or drop attach_to."
+                )
+            if spec is not None:
+                raise ValueError(
+                    "spec cannot be combined with attach_to: the sandbox already exists with its own spec. Set the "
+                    "spec on the task that provisions it."
+                )
+            if isinstance(backend, SandboxHook) and not backend.attachable:
+                raise ValueError(
+                    f"attach_to needs a backend that can find a sandbox from another task, and {backend.name!r} "
+                    "cannot. Drop attach_to to provision a sandbox here, or use an attachable backend such as "
+                    "the local one."
+                )
+        if owner is not None:
+            if not isinstance(owner, str) or not owner.strip():
+                raise ValueError(f"owner must be a non-empty string or None, got {owner!r}.")
+            if attach_to is None and keep_sandbox is not True:
+                raise ValueError(
+                    "owner applies to a sandbox shared between tasks: pass it with attach_to (the owner to check) "
+                    "or with keep_sandbox=True (the owner to stamp)."
+                )
+            if spec is not None and spec.owner is not None and spec.owner != owner:
+                raise ValueError(f"owner={owner!r} contradicts spec.owner={spec.owner!r}; give one of them.")
+        check_positive(timeout, "timeout")
+        check_positive(max_output_bytes, "max_output_bytes")
+        check_positive(max_export_bytes, "max_export_bytes")
+
+        self.command = command
+        self.backend = backend
+        self.spec = spec
+        self.files = check_transfer_map(files, "files", urls=False)
+        self.inputs = check_transfer_map(inputs, "inputs", urls=True, templated=True)
+        self.exports = check_transfer_map(exports, "exports", urls=True, templated=True)
+        self.input_conn_id = _check_conn_id(input_conn_id, "input_conn_id")
+        self.export_conn_id = _check_conn_id(export_conn_id, "export_conn_id")
+        self.timeout = float(timeout)
+        self.max_output_bytes = int(max_output_bytes)
+        self.max_export_bytes = int(max_export_bytes)
+        self.skip_on_exit_code = _check_exit_codes(skip_on_exit_code)
+        self.attach_to = attach_to
+        self.owner = owner
+        self.keep_sandbox = keep_sandbox
+        self._session: SandboxSession | None = None
+
+    # -- what a subclass may change ----------------------------------------------------------------------
+
+    def _prepare(self, context: Context) -> tuple[str | None, Mapping[str, str | bytes]]:
+        """Return the command to run and the files to write in first."""
+        return self.command, self.files
+
+    def _collect(self, session: SandboxSession, result: SandboxExecResult | None) -> Any:
+        """Read what the task returns out of the sandbox, after a successful command, before teardown."""
+        return None
+
+    def _xcom(self, session: SandboxSession, result: SandboxExecResult | None, collected: Any) -> Any:
+        """Shape the task's return value."""
+        if self.keep_sandbox is True:
+            return self._kept_handle
+        assert result is not None
+        return {
+            "exit_code": result.exit_code,
+            "stdout": tail_text(result.stdout, TAIL_CHARS),
+            "stderr": tail_text(result.stderr, TAIL_CHARS),
+            "exports": {record.path: record.url for record in session.export_records},
+        }
+
+    # -- running -----------------------------------------------------------------------------------------
+
+    def _spec_for(self, hook: SandboxHook, context: Context) -> SandboxSpec | None:
+        if self.attach_to is not None:
+            return None
+        spec = self.spec or SandboxSpec()
+        if self.keep_sandbox is True and hook.attachable and spec.owner is None:
+            # Stamp the sandbox so a later task of this run can attach to it.
+            spec = dataclasses.replace(spec, owner=self.owner or dag_run_owner(context))
+        return spec
+
+    def _new_session(self, context: Context, files: Mapping[str, str | bytes]) -> SandboxSession:
+        hook = get_sandbox_hook(self.backend)
+        attach_to = self.attach_to
+        if attach_to is not None and not isinstance(attach_to, str):
+            attach_to = str(attach_to)
+        return SandboxSession(
+            hook,
+            spec=self._spec_for(hook, context),
+            attach_to=attach_to,
+            owner=self.owner if attach_to is not None else None,
+            files=files,
+            inputs=self.inputs,
+            input_conn_id=self.input_conn_id,
+            exports=self.exports,
+            export_conn_id=self.export_conn_id,
+            max_export_bytes=self.max_export_bytes,
+            keep=self.keep_sandbox,
+            context=context,
+        )
+
+    def execute(self, context: Context) -> Any:
+        command, files = self._prepare(context)
+        session = self._new_session(context, files)
+        self._session = session
+        self._kept_handle: str | None = None
+        succeeded = False
+        try:
+            session.open()
+            result = None
+            if command is None:
+                session.ensure()
+            else:
+                result = session.run(command, timeout=self.timeout, max_output_bytes=self.max_output_bytes)
+                self._check_result(session, result)
+            collected = self._collect(session, result)
+            self._kept_handle = session.handle
+            succeeded = True
+        finally:
+            if not succeeded and self.keep_sandbox is True and not session.attach_mode:
+                # Nobody receives the handle of a failed task: remove what this task provisioned.
+                session.keep = None
+            session.close(succeeded=succeeded)
+        for record in session.export_records:
+            self.log.info("Exported %s to %s (%d bytes)", record.path, record.url, record.size_bytes)
+        if self.keep_sandbox is True:
+            self.log.info("Sandbox %s stays up for later tasks; attach with its handle", self._kept_handle)
+        return self._xcom(session, result, collected)
+
+    def _check_result(self, session: SandboxSession, result: SandboxExecResult) -> None:
+        handle = session.handle or "(ended)"
+        if result.stdout:
+            self.log.info("Output of the command in sandbox %s:\n%s", handle, result.stdout)
+        if result.stderr:
+            self.log.info("Standard error of the command in sandbox %s:\n%s", handle, result.stderr)
+        if result.stdout_truncated or result.stderr_truncated:
+            self.log.info("Output was longer than max_output_bytes=%d; only its end is kept", self.max_output_bytes)
+        stderr_tail = tail_text(result.stderr.rstrip(), TAIL_CHARS) or "(no output on standard error)"
+        if result.sandbox_terminated:
+            raise SandboxCommandError(
+                f"The sandbox ended while the command ran; its files are gone.\n{stderr_tail}"
+            )
+        if result.timed_out:
+            limit = result.applied_timeout or self.timeout
+            raise SandboxCommandError(
+                f"The command ran past its timeout of {limit:g}s in sandbox {handle} and was killed. Raise "
+                f"timeout= or make the command faster. Last standard error:\n{stderr_tail}"
+            )
+        if result.exit_code in self.skip_on_exit_code:
+            raise AirflowSkipException(f"The command exited with status {result.exit_code}; skipping the task.")
+        if result.exit_code != 0:
+            raise SandboxCommandError(
+                f"The command exited with status {result.exit_code} in sandbox {handle}. Last standard error:\n"
+                f"{stderr_tail}"
+            )
+
+    def on_kill(self) -> None:
+        """Destroy the sandbox of the running task, whatever ``keep_sandbox`` says."""
+        session = self._session
+        if session is None:
+            return
+        handle = session.handle
+        session.keep = False
+        try:
+            session.close(succeeded=False)
+        except Exception:
+            self.log.warning("Could not destroy sandbox %s after the task was killed", handle, exc_info=True)
+        else:
+            if handle:
+                self.log.info("Task killed: destroyed sandbox %s", handle)
