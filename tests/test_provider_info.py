@@ -1,0 +1,50 @@
+"""The provider registers with Airflow the way Airflow reads it."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+from pathlib import Path
+
+import jsonschema
+from packaging.utils import canonicalize_name
+
+from sandbox_provider.get_provider_info import get_provider_info
+
+
+def test_matches_airflows_schema_and_distribution_name():
+    import airflow
+
+    schema = json.loads((Path(airflow.__file__).parent / "provider_info.schema.json").read_text())
+    info = get_provider_info()
+    jsonschema.validate(info, schema)
+    assert info["package-name"] == canonicalize_name(importlib.metadata.metadata("airflow-provider-sandbox")["Name"])
+
+
+def test_entry_point_is_registered():
+    points = importlib.metadata.entry_points(group="apache_airflow_provider")
+    assert any(p.value == "sandbox_provider.get_provider_info:get_provider_info" for p in points)
+
+
+def test_every_dotted_path_imports_and_hooks_agree():
+    info = get_provider_info()
+    for conn in info["connection-types"]:
+        module, _, name = conn["hook-class-name"].rpartition(".")
+        hook = getattr(importlib.import_module(module), name)
+        assert hook.conn_type == conn["connection-type"]
+        assert hook.conn_name_attr and hook.hook_name
+        assert hasattr(hook, "test_connection")
+    for decorator in info["task-decorators"]:
+        module, _, name = decorator["class-name"].rpartition(".")
+        assert callable(getattr(importlib.import_module(module), name))
+
+
+def test_airflow_finds_the_decorator_and_hooks():
+    from airflow.sdk import task
+    from airflow.sdk.providers_manager_runtime import ProvidersManagerTaskRuntime
+
+    assert callable(task.sandbox)
+    hooks = ProvidersManagerTaskRuntime().hooks
+    assert hooks["sandbox_local"].hook_class_name == "sandbox_provider.hooks.local.LocalSandboxHook"
+    assert hooks["sandbox_local"].connection_testable
