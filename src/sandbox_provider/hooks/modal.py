@@ -1,0 +1,1063 @@
+"""
+The Modal backend: sandboxes on Modal's hosted platform, for Dags that outgrow one worker.
+
+Sandboxes are created under a Modal app through the credentials of an Airflow ``modal``
+connection (from apache-airflow-providers-modal), or the worker's own Modal configuration. Their
+handles are Modal sandbox ids (``sb-...``), which any task holding the same credentials can use,
+so this backend is attachable: the owner, holder, expiry, network and working-directory stamps
+ride on Modal sandbox tags.
+
+The ``modal`` SDK is imported on first use, never when this module is imported, so Dag files
+that build a :class:`ModalSandboxHook` parse on machines without the ``modal`` extra.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import ipaddress
+import logging
+import math
+import posixpath
+import re
+import shlex
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO, Any, TypeVar
+
+from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
+from sandbox_provider.sandbox.hook import (
+    _IS_DIR,
+    _MISSING,
+    _NOT_REGULAR,
+    _TOO_LARGE,
+    FILE_OP_TIMEOUT,
+    STREAM_CHUNK_BYTES,
+    SandboxHook,
+    check_export_size,
+)
+from sandbox_provider.sandbox.spec import (
+    DEFAULT_WORKDIR,
+    EXPIRES_AT_TAG,
+    NETWORK_TAG,
+    OWNER_TAG,
+    WORKDIR_TAG,
+    AttachedSandbox,
+    SandboxExecResult,
+    SandboxSpec,
+    check_handle,
+    check_positive,
+    encode_network_policy,
+    new_sandbox_name,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ModalSandboxBackend", "ModalSandboxHook", "SANDBOX_MARKER_TAG"]
+
+#: Tag every sandbox of this backend carries, with the value ``"true"``, so
+#: ``modal.Sandbox.list(tags={"airflow_sandbox": "true"})`` finds them all.
+SANDBOX_MARKER_TAG = "airflow_sandbox"
+
+DEFAULT_IMAGE = "python:3.12-slim"
+DEFAULT_APP_NAME = "airflow-sandbox"
+DEFAULT_SANDBOX_TIMEOUT = 3600
+#: Modal ends a sandbox after at most a day.
+MAX_SANDBOX_TIMEOUT = 24 * 3600
+#: A shorter lifetime would not fit one file operation.
+MIN_SANDBOX_TIMEOUT = int(FILE_OP_TIMEOUT)
+EGRESS_ENFORCEMENTS = ("strict", "sni")
+
+INSTALL_HINT = "pip install 'airflow-provider-sandbox[modal]'"
+
+#: Seconds allowed for provisioning, retries of transient API errors included.
+CREATE_BUDGET = 180.0
+#: Seconds the output readers may run past a command's deadline before we stop waiting for them.
+STREAM_GRACE = 30.0
+#: Longest pause between two attempts of a call that hit a transient API error, in seconds.
+MAX_BACKOFF = 8.0
+
+_SIZE_MARK = "sandbox-size:"
+_HOSTNAME_LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
+
+# Address ranges a sandbox can never reach through Modal's address allowlist, or must not try to:
+# private networks, loopback, link-local (cloud metadata), shared address space, multicast, reserved.
+_UNREACHABLE_V4 = tuple(
+    ipaddress.IPv4Network(net)
+    for net in (
+        "0.0.0.0/8",
+        "10.0.0.0/8",
+        "100.64.0.0/10",
+        "127.0.0.0/8",
+        "169.254.0.0/16",
+        "172.16.0.0/12",
+        "192.0.0.0/24",
+        "192.168.0.0/16",
+        "198.18.0.0/15",
+        "224.0.0.0/4",
+        "240.0.0.0/4",
+    )
+)
+
+T = TypeVar("T")
+
+
+def _import_modal() -> Any:
+    """Return the ``modal`` module, or raise Airflow's optional-feature error with the install command."""
+    try:
+        import modal
+        import modal.exception  # noqa: F401  (the error classes live here)
+    except ImportError as err:
+        from airflow.exceptions import AirflowOptionalProviderFeatureException
+
+        raise AirflowOptionalProviderFeatureException(
+            f"The Modal sandbox backend needs the modal SDK and the Modal provider. Install them with: {INSTALL_HINT}"
+        ) from err
+    return modal
+
+
+def _modal_hook_class() -> type:
+    _import_modal()
+    try:
+        from airflow.providers.modal.hooks.modal import ModalHook
+    except ImportError as err:
+        from airflow.exceptions import AirflowOptionalProviderFeatureException
+
+        raise AirflowOptionalProviderFeatureException(
+            f"The Modal sandbox backend reads credentials through apache-airflow-providers-modal, which is not "
+            f"installed. Install it with: {INSTALL_HINT}"
+        ) from err
+    return ModalHook
+
+
+# -- validation ------------------------------------------------------------------------------------
+
+
+def _whole_seconds(value: Any, name: str, *, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a whole number of seconds, got {value!r}.")
+    if value != int(value) or not low <= value <= high:
+        raise ValueError(f"{name} must be a whole number of seconds from {low} to {high}, got {value!r}.")
+    return int(value)
+
+
+def _check_image(image: Any) -> Any:
+    if isinstance(image, str):
+        if not image.strip() or any(ch.isspace() for ch in image):
+            raise ValueError(f"image must be a registry tag such as 'python:3.12-slim', got {image!r}.")
+        return image
+    modal = sys.modules.get("modal")
+    image_type = getattr(modal, "Image", None) if modal is not None else None
+    if isinstance(image_type, type) and isinstance(image, image_type):
+        return image
+    raise ValueError(
+        f"image must be a registry tag (a string) or a modal.Image, got {type(image).__name__}. Build one with "
+        "modal.Image.from_registry('python:3.12-slim').pip_install(...)."
+    )
+
+
+def _check_workdir(workdir: Any) -> str:
+    if not isinstance(workdir, str) or not workdir.startswith("/") or "\0" in workdir:
+        raise ValueError(f"workdir must be an absolute path such as '/workspace', got {workdir!r}.")
+    return posixpath.normpath(workdir)
+
+
+def _check_optional_text(value: Any, name: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{name} must be a non-empty string or None, got {value!r}.")
+    return value
+
+
+def _check_region(region: Any) -> str | tuple[str, ...] | None:
+    if region is None or isinstance(region, str):
+        return _check_optional_text(region, "region")
+    if isinstance(region, Sequence) and region and all(isinstance(r, str) and r.strip() for r in region):
+        return tuple(region)
+    raise ValueError(f"region must be a region name, a non-empty list of them, or None, got {region!r}.")
+
+
+def _check_user_tags(tags: Any) -> dict[str, str]:
+    if tags is None:
+        return {}
+    if not isinstance(tags, Mapping):
+        raise ValueError(f"tags must map strings to strings, got {type(tags).__name__}.")
+    bad = sorted(str(k) for k, v in tags.items() if not isinstance(k, str) or not k or not isinstance(v, str))
+    if bad:
+        raise ValueError(f"tags must map non-empty strings to strings; these entries do not: {bad!r}.")
+    reserved = sorted(k for k in tags if k.startswith("airflow_"))
+    if reserved:
+        raise ValueError(
+            f"tags may not use the airflow_ prefix, which this backend keeps for its own stamps: {reserved!r}. "
+            "Rename them, e.g. 'dag_id' instead of 'airflow_dag_id'."
+        )
+    return dict(tags)
+
+
+def _cidr_allowlist(entries: Sequence[str]) -> list[str]:
+    """Return Modal's form of a CIDR allowlist, or refuse an entry it cannot or should not enforce."""
+    allowed: list[str] = []
+    for entry in entries:
+        text = entry.strip()
+        try:
+            net = ipaddress.ip_network(text, strict=True)
+        except ValueError:
+            try:
+                ipaddress.ip_network(text, strict=False)
+            except ValueError:
+                raise SandboxTerminalError(
+                    f"allow_egress_to_cidrs entry {entry!r} is not an IPv4 address range. Write it as "
+                    "'203.0.113.0/24' or a single address; put hostnames in allow_egress_to."
+                ) from None
+            raise SandboxTerminalError(
+                f"allow_egress_to_cidrs entry {entry!r} has host bits set, so it is unclear which range is meant. "
+                f"Write the network address, e.g. {str(ipaddress.ip_network(text, strict=False))!r}, or a "
+                "single address with /32."
+            ) from None
+        if net.version != 4:
+            raise SandboxTerminalError(
+                f"allow_egress_to_cidrs entry {entry!r} is IPv6; Modal's address allowlist takes IPv4 ranges "
+                "only. List the destination's IPv4 range instead."
+            )
+        if net.prefixlen == 0:
+            raise SandboxTerminalError(
+                f"allow_egress_to_cidrs entry {entry!r} matches every address, which is no allowlist at all. "
+                "Pass SandboxSpec(block_network=False) to open outbound access, or list narrower ranges."
+            )
+        clash = next((blocked for blocked in _UNREACHABLE_V4 if net.overlaps(blocked)), None)
+        if clash is not None:
+            raise SandboxTerminalError(
+                f"allow_egress_to_cidrs entry {entry!r} overlaps {clash}, a private, loopback, link-local or "
+                "reserved range that a Modal sandbox cannot reach. List only public IPv4 ranges."
+            )
+        canonical = str(net)
+        if canonical not in allowed:
+            allowed.append(canonical)
+    return allowed
+
+
+def _domain_allowlist(entries: Sequence[str]) -> list[str]:
+    allowed: list[str] = []
+    for entry in entries:
+        host = entry.strip().lower().rstrip(".")
+        labels = host[2:].split(".") if host.startswith("*.") else host.split(".")
+        is_address = True
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            is_address = False
+        if is_address or len(labels) < 2 or not all(_HOSTNAME_LABEL.match(label) for label in labels):
+            raise SandboxTerminalError(
+                f"allow_egress_to entry {entry!r} is not a hostname. Give a bare name such as 'pypi.org' or "
+                "'*.example.com': no scheme, port, path or IP address (put addresses in allow_egress_to_cidrs)."
+            )
+        if host not in allowed:
+            allowed.append(host)
+    return allowed
+
+
+@dataclass
+class _Tracked:
+    """What this hook knows of one sandbox: the SDK object, its expiry (Unix seconds) and workdir."""
+
+    sandbox: Any
+    expires_at: float | None
+    workdir: str
+
+
+class ModalSandboxHook(SandboxHook):
+    """
+    Run sandboxes on `Modal <https://modal.com/>`__.
+
+    Nothing is looked up or sent to Modal until the first sandbox is created or used: the
+    constructor only checks its arguments, so it is safe in a Dag file.
+
+    :param modal_conn_id: an Airflow connection of type ``modal`` (token id as login, token secret as
+        password, optional ``environment`` extra). Default ``"modal_default"``; when that
+        connection is not defined the worker's own Modal configuration is used. ``None`` skips the
+        connection and uses the worker's configuration (``MODAL_TOKEN_ID``/``MODAL_TOKEN_SECRET`` or
+        ``~/.modal.toml``).
+    :param image: a registry tag (default ``"python:3.12-slim"``) or a prepared ``modal.Image``.
+    :param app_name: the Modal app sandboxes are created under. Default ``"airflow-sandbox"``.
+    :param create_app_if_missing: create that app when it does not exist. Default True.
+    :param sandbox_timeout: lifetime of each sandbox in seconds, 120 to 86400; Modal ends the sandbox
+        when it runs out, even if the worker died. Default 3600.
+    :param idle_timeout: seconds without a running command after which Modal ends the sandbox; None
+        (default) turns it off. Not allowed with an owner (a sandbox waiting for another task).
+    :param workdir: absolute working directory of commands and relative paths. Default ``/workspace``.
+    :param cpu: CPU cores requested (Modal's default is 0.125).
+    :param memory: memory requested, in MiB. Modal treats it as a request, not a ceiling.
+    :param gpu: a Modal GPU type, e.g. ``"T4"`` or ``"A100:2"``.
+    :param region: a Modal region name or a list of them.
+    :param cloud: a Modal cloud provider name, e.g. ``"aws"``.
+    :param tags: extra Modal tags for every sandbox, strings to strings, e.g. ``{"dag_id": "etl"}``;
+        keys starting with ``airflow_`` are reserved.
+    :param egress_enforcement: ``"strict"`` (default) refuses ``allow_egress_to``, which Modal can
+        only match against the TLS server name; ``"sni"`` accepts that weaker check.
+    :raises ValueError: for any argument out of range, when the hook is built.
+    """
+
+    conn_name_attr = "modal_conn_id"
+    default_conn_name = "modal_default"
+    conn_type = "modal"
+    hook_name = "Sandbox (Modal)"
+
+    name = "modal"
+    attachable = True
+
+    def __init__(
+        self,
+        modal_conn_id: str | None = default_conn_name,
+        *,
+        image: Any = DEFAULT_IMAGE,
+        app_name: str = DEFAULT_APP_NAME,
+        create_app_if_missing: bool = True,
+        sandbox_timeout: int = DEFAULT_SANDBOX_TIMEOUT,
+        idle_timeout: int | None = None,
+        workdir: str = DEFAULT_WORKDIR,
+        cpu: float | None = None,
+        memory: int | None = None,
+        gpu: str | None = None,
+        region: str | Sequence[str] | None = None,
+        cloud: str | None = None,
+        tags: Mapping[str, str] | None = None,
+        egress_enforcement: str = "strict",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if modal_conn_id is not None and (not isinstance(modal_conn_id, str) or not modal_conn_id.strip()):
+            raise ValueError(f"modal_conn_id must be a connection id or None, got {modal_conn_id!r}.")
+        self.modal_conn_id = modal_conn_id
+        self.image = _check_image(image)
+        if not isinstance(app_name, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", app_name):
+            raise ValueError(
+                f"app_name must be 1 to 64 letters, digits, '.', '_' or '-', got {app_name!r}."
+            )
+        self.app_name = app_name
+        if not isinstance(create_app_if_missing, bool):
+            raise ValueError(f"create_app_if_missing must be True or False, got {create_app_if_missing!r}.")
+        self.create_app_if_missing = create_app_if_missing
+        self.sandbox_timeout = _whole_seconds(
+            sandbox_timeout, "sandbox_timeout", low=MIN_SANDBOX_TIMEOUT, high=MAX_SANDBOX_TIMEOUT
+        )
+        self.idle_timeout = (
+            None
+            if idle_timeout is None
+            else _whole_seconds(idle_timeout, "idle_timeout", low=1, high=self.sandbox_timeout)
+        )
+        self.workdir = _check_workdir(workdir)
+        self.cpu = check_positive(cpu, "cpu", allow_none=True)
+        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0):
+            raise ValueError(f"memory must be a positive whole number of MiB, got {memory!r}.")
+        self.memory = memory
+        self.gpu = _check_optional_text(gpu, "gpu")
+        self.region = _check_region(region)
+        self.cloud = _check_optional_text(cloud, "cloud")
+        self.tags = _check_user_tags(tags)
+        if egress_enforcement not in EGRESS_ENFORCEMENTS:
+            raise ValueError(
+                f"egress_enforcement must be 'strict' or 'sni', got {egress_enforcement!r}. 'sni' accepts "
+                "hostname allowlists that Modal checks only against the TLS server name."
+            )
+        self.egress_enforcement = egress_enforcement
+        # Deadlines read these; tests swap them for a scripted clock.
+        self._monotonic: Callable[[], float] = time.monotonic
+        self._sleep: Callable[[float], None] = time.sleep
+        self._modal_hook_instance: Any = None
+        self._tracked: dict[str, _Tracked] = {}
+
+    # -- credentials and calls -------------------------------------------------------------------------
+
+    def _credential_source(self) -> str:
+        if self.modal_conn_id is None:
+            return "the worker's Modal configuration (MODAL_TOKEN_ID/MODAL_TOKEN_SECRET or ~/.modal.toml)"
+        return f"Airflow connection {self.modal_conn_id!r}"
+
+    def get_conn(self) -> Any:
+        """Return the ``ModalHook`` of apache-airflow-providers-modal that holds the credentials."""
+        if self._modal_hook_instance is None:
+            self._modal_hook_instance = _modal_hook_class()(modal_conn_id=self.modal_conn_id)
+        return self._modal_hook_instance
+
+    def _client(self) -> Any:
+        return self._call("connecting to Modal", lambda: self.get_conn().client)
+
+    def _call(
+        self,
+        action: str,
+        fn: Callable[[], T],
+        *,
+        handle: str | None = None,
+        budget: float = FILE_OP_TIMEOUT,
+        retry: bool = True,
+        on_retry_error: Callable[[BaseException], T | None] | None = None,
+        passthrough: tuple[type[BaseException], ...] = (),
+    ) -> T:
+        """
+        Run one SDK call, retrying transient API errors until ``budget`` seconds have passed.
+
+        Other errors become :class:`SandboxError` or :class:`SandboxTerminalError` (see ``_translate``),
+        except those in ``passthrough``, which are raised as they are. ``on_retry_error`` may turn an
+        error seen on a second or later attempt into a result.
+        """
+        modal = _import_modal()
+        transient = self._transient_errors(modal)
+        deadline = self._monotonic() + budget
+        delay = 0.5
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return fn()
+            except transient as err:
+                now = self._monotonic()
+                if not retry or now + delay > deadline:
+                    raise SandboxTerminalError(
+                        f"Modal kept failing while {action}"
+                        + (f" for sandbox {handle!r}" if handle else "")
+                        + f" ({type(err).__name__}: {err}); gave up after {attempt} attempt(s). "
+                        "Airflow's task retries can try again later."
+                    ) from err
+                log.warning("Transient Modal error while %s (attempt %d): %s; retrying", action, attempt, err)
+                self._sleep(delay)
+                delay = min(delay * 2, MAX_BACKOFF)
+            except SandboxError:
+                raise
+            except passthrough:
+                raise
+            except Exception as err:
+                if attempt > 1 and on_retry_error is not None:
+                    recovered = on_retry_error(err)
+                    if recovered is not None:
+                        return recovered
+                raise self._translate(err, action, handle) from err
+
+    @staticmethod
+    def _transient_errors(modal: Any) -> tuple[type[BaseException], ...]:
+        exc = modal.exception
+        return (
+            exc.ConnectionError,
+            exc.InternalError,
+            exc.InternalFailure,
+            exc.ServiceError,
+            exc.ResourceExhaustedError,
+            ConnectionError,
+        )
+
+    def _translate(self, err: BaseException, action: str, handle: str | None) -> SandboxError:
+        """Map an error from the SDK or the Modal provider to this package's errors."""
+        from airflow.exceptions import AirflowNotFoundException
+
+        what = f"sandbox {handle!r}" if handle else "Modal"
+        if isinstance(err, AirflowNotFoundException):
+            return SandboxTerminalError(
+                f"The Airflow connection {self.modal_conn_id!r} is not defined. Create a 'modal' connection with "
+                "that id (token id as login, token secret as password), or pass modal_conn_id=None to use the "
+                "worker's own Modal configuration."
+            )
+        if type(err).__name__ == "ModalConnectionError":
+            return SandboxTerminalError(f"The Modal credentials cannot be used: {err}")
+        exc = sys.modules["modal"].exception
+        if isinstance(err, exc.AuthError):
+            return SandboxTerminalError(
+                f"Modal rejected the credentials from {self._credential_source()} while {action}: {err}. "
+                "Check the token id and secret (modal token new makes a fresh pair) and the environment."
+            )
+        if isinstance(err, exc.PermissionDeniedError):
+            return SandboxTerminalError(
+                f"The credentials from {self._credential_source()} may not do this while {action}: {err}. "
+                "Use a token of a workspace and environment that holds the app."
+            )
+        if isinstance(err, exc.ExecTimeoutError):
+            return SandboxError(f"A command in {what} ran out of time while {action}: {err}")
+        if isinstance(err, (exc.NotFoundError, exc.SandboxTerminatedError, exc.SandboxTimeoutError)):
+            if handle is None:
+                return SandboxTerminalError(f"Modal could not find what it needed while {action}: {err}")
+            self._tracked.pop(handle, None)
+            return SandboxTerminalError(
+                f"Sandbox {handle!r} is gone (ended, past its lifetime, or never existed) while {action}: {err}. "
+                "Its files went with it; provision a new sandbox."
+            )
+        if isinstance(err, exc.SandboxFilesystemError):
+            reasons = {
+                "SandboxFilesystemNotFoundError": "the path does not exist",
+                "SandboxFilesystemNotADirectoryError": "a part of the path is not a directory",
+                "SandboxFilesystemIsADirectoryError": "the path is a directory",
+                "SandboxFilesystemPermissionError": "permission denied",
+            }
+            reason = next((text for name, text in reasons.items() if type(err).__name__ == name), "it failed")
+            return SandboxError(f"{action.capitalize()} did not work in {what}: {reason} ({err}).")
+        if isinstance(err, exc.ConflictError):  # before InvalidError, its parent
+            return SandboxTerminalError(f"Sandbox {handle!r} is shutting down; {action} was refused: {err}")
+        if isinstance(err, exc.InvalidError):
+            return SandboxTerminalError(f"Modal refused the request while {action}: {err}")
+        if isinstance(err, exc.Error):
+            if handle is not None and self._has_ended(handle):
+                self._tracked.pop(handle, None)
+                return SandboxTerminalError(f"Sandbox {handle!r} ended while {action}: {err}")
+            return SandboxError(f"Modal reported an error while {action} in {what}: {err}")
+        return SandboxTerminalError(f"Unexpected error while {action} on Modal: {type(err).__name__}: {err}")
+
+    def _has_ended(self, handle: str) -> bool:
+        tracked = self._tracked.get(handle)
+        if tracked is None:
+            return False
+        try:
+            return tracked.sandbox.poll() is not None
+        except Exception:
+            return True
+
+    # -- provisioning ----------------------------------------------------------------------------------
+
+    def _network_kwargs(self, spec: SandboxSpec) -> dict[str, Any]:
+        """Return the network keywords for ``Sandbox.create``, or refuse what Modal cannot enforce."""
+        if not spec.block_network:
+            return {}
+        if not spec.has_allowlist:
+            return {"block_network": True}
+        kwargs: dict[str, Any] = {}
+        if spec.allow_egress_to:
+            if self.egress_enforcement != "sni":
+                raise SandboxTerminalError(
+                    "SandboxSpec.allow_egress_to names hostnames, and Modal can enforce a hostname list only by "
+                    "matching the server name in the TLS handshake: TLS on port 443 reaches the listed hosts, but "
+                    "DNS stays open for every name and any host behind the same TLS endpoint as a listed one is "
+                    "reachable too. To accept that, pass ModalSandboxHook(egress_enforcement='sni'). Otherwise use "
+                    "allow_egress_to_cidrs for destinations with fixed addresses (enforced per address), or a "
+                    "bare SandboxSpec() with no allowlist, which blocks everything including DNS."
+                )
+            kwargs["outbound_domain_allowlist"] = _domain_allowlist(spec.allow_egress_to)
+        if spec.allow_egress_to_cidrs:
+            kwargs["outbound_cidr_allowlist"] = _cidr_allowlist(spec.allow_egress_to_cidrs)
+        if "outbound_domain_allowlist" in kwargs and "outbound_cidr_allowlist" in kwargs:
+            log.warning(
+                "Both allowlists are set: port 443 is open to any address whose TLS server name is on the "
+                "hostname list, in addition to the listed address ranges."
+            )
+        return kwargs
+
+    def _check_spec(self, spec: SandboxSpec) -> dict[str, Any]:
+        network = self._network_kwargs(spec)
+        env = spec.env
+        if env is not None:
+            if not isinstance(env, Mapping):
+                raise SandboxTerminalError(
+                    f"SandboxSpec.env must map strings to strings, got {type(env).__name__}."
+                )
+            bad = sorted(str(k) for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str))
+            if bad:
+                raise SandboxTerminalError(
+                    f"SandboxSpec.env must map strings to strings; these entries do not: {bad!r}. Convert each "
+                    "value in the Dag, e.g. str(port), so the sandbox sees what you meant."
+                )
+        if spec.owner is not None and self.idle_timeout is not None:
+            raise SandboxTerminalError(
+                f"SandboxSpec names an owner, so a later task will attach to this sandbox, but this backend has "
+                f"idle_timeout={self.idle_timeout}, and Modal would end the sandbox while it waits between tasks. "
+                "Leave idle_timeout unset on the backend that provisions for attaching, and size sandbox_timeout "
+                "to cover the wait."
+            )
+        return network
+
+    def _stamps(self, spec: SandboxSpec, expires_at: float) -> dict[str, str]:
+        tags = dict(self.tags)
+        tags[SANDBOX_MARKER_TAG] = "true"
+        tags[EXPIRES_AT_TAG] = str(int(expires_at))
+        tags[WORKDIR_TAG] = self.workdir
+        tags[NETWORK_TAG] = encode_network_policy(spec)
+        if spec.owner is not None:
+            tags[OWNER_TAG] = spec.owner
+        return tags
+
+    def create(self, *, spec: SandboxSpec | None = None) -> str:
+        """
+        Provision a Modal sandbox and return its id (``sb-...``).
+
+        :param spec: what the sandbox must be; None means ``SandboxSpec()``: no network at all, DNS
+            included, and no environment variables.
+        :raises SandboxTerminalError: for a spec Modal cannot enforce (checked before anything is sent),
+            rejected credentials, or a failed provisioning.
+        :raises AirflowOptionalProviderFeatureException: when the ``modal`` extra is not installed.
+        """
+        spec = SandboxSpec() if spec is None else spec
+        network = self._check_spec(spec)
+        modal = _import_modal()
+        name = new_sandbox_name()
+        expires_at = time.time() + self.sandbox_timeout
+        tags = self._stamps(spec, expires_at)
+        client = self._client()
+        hook = self.get_conn()
+        app = self._call(
+            f"looking up app {self.app_name!r}",
+            lambda: hook.lookup_app(self.app_name, create_if_missing=self.create_app_if_missing),
+        )
+        image = modal.Image.from_registry(self.image) if isinstance(self.image, str) else self.image
+        kwargs: dict[str, Any] = {
+            "app": app,
+            "name": name,
+            "tags": tags,
+            "image": image,
+            "timeout": self.sandbox_timeout,
+            "workdir": self.workdir,
+            "client": client,
+            **network,
+        }
+        optional = {
+            "idle_timeout": self.idle_timeout,
+            "env": dict(spec.env) if spec.env else None,
+            "cpu": self.cpu,
+            "memory": self.memory,
+            "gpu": self.gpu,
+            "region": list(self.region) if isinstance(self.region, tuple) else self.region,
+            "cloud": self.cloud,
+        }
+        kwargs.update({key: value for key, value in optional.items() if value is not None})
+
+        def already_made(err: BaseException) -> Any:
+            # A retried create whose first attempt reached Modal finds the name taken: that one is ours.
+            if isinstance(err, modal.exception.AlreadyExistsError):
+                return modal.Sandbox.from_name(
+                    self.app_name, name, environment_name=hook.environment_name, client=client
+                )
+            return None
+
+        sandbox = self._call(
+            "creating a sandbox",
+            lambda: modal.Sandbox.create(**kwargs),
+            budget=CREATE_BUDGET,
+            on_retry_error=already_made,
+        )
+        handle = sandbox.object_id
+        self._tracked[handle] = _Tracked(sandbox=sandbox, expires_at=expires_at, workdir=self.workdir)
+        log.info(
+            "Created Modal sandbox %s (%s) in app %s; it lives at most %ss", handle, name, self.app_name,
+            self.sandbox_timeout,
+        )
+        return handle
+
+    # -- finding sandboxes -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_modal_handle(handle: Any) -> str:
+        check_handle(handle)
+        if not handle.startswith("sb-"):
+            raise SandboxTerminalError(
+                f"{handle!r} is not a Modal sandbox id; those start with 'sb-'. Pass the handle that "
+                "ModalSandboxHook.create returned."
+            )
+        return handle
+
+    def _lookup(self, handle: str) -> _Tracked:
+        """Return what is known of ``handle``, fetching it (and its stamps) from Modal the first time."""
+        self._check_modal_handle(handle)
+        tracked = self._tracked.get(handle)
+        if tracked is not None:
+            return tracked
+        self._client()
+        hook = self.get_conn()
+        sandbox = self._call("finding the sandbox", lambda: hook.get_sandbox(handle), handle=handle)
+        tags = self._call("reading its tags", lambda: dict(sandbox.get_tags()), handle=handle)
+        try:
+            expires_at: float | None = float(tags[EXPIRES_AT_TAG])
+        except (KeyError, ValueError):
+            expires_at = None
+        workdir = tags.get(WORKDIR_TAG) or self.workdir
+        tracked = _Tracked(sandbox=sandbox, expires_at=expires_at, workdir=workdir)
+        self._tracked[handle] = tracked
+        return tracked
+
+    def _remaining(self, tracked: _Tracked) -> float | None:
+        if tracked.expires_at is None:
+            return None
+        return tracked.expires_at - time.time()
+
+    def list_sandboxes(self, tags: Mapping[str, str] | None = None) -> list[str]:
+        """
+        Return the ids of this backend's sandboxes in ``app_name`` that carry every tag in ``tags``.
+
+        With ``ModalSandboxHook(tags={"dag_id": "etl"})`` provisioning, ``list_sandboxes({"dag_id": "etl"})``
+        finds what that Dag left standing.
+        """
+        wanted = {**_check_user_tags(tags), SANDBOX_MARKER_TAG: "true"}
+        modal = _import_modal()
+        client = self._client()
+        hook = self.get_conn()
+        app = self._call(f"looking up app {self.app_name!r}", lambda: hook.lookup_app(self.app_name))
+        return self._call(
+            "listing sandboxes",
+            lambda: [sb.object_id for sb in modal.Sandbox.list(app_id=app.app_id, tags=wanted, client=client)],
+        )
+
+    # -- commands --------------------------------------------------------------------------------------
+
+    def _deadline_for(self, handle: str, tracked: _Tracked, timeout: float) -> tuple[int, bool]:
+        """Return the whole seconds to give a command and whether they were cut to the remaining lifetime."""
+        seconds = max(1, math.ceil(timeout))  # Modal reads 0 as "no deadline"
+        remaining = self._remaining(tracked)
+        if remaining is None:
+            return seconds, False
+        if remaining < 1:
+            self._tracked.pop(handle, None)
+            raise SandboxTerminalError(
+                f"Sandbox {handle!r} has reached the end of its lifetime (sandbox_timeout); Modal has ended it "
+                "or is about to. Provision a new sandbox, with a longer sandbox_timeout if the work needs it."
+            )
+        if seconds > remaining:
+            return max(1, math.floor(remaining)), True
+        return seconds, False
+
+    def _exec(self, tracked: _Tracked, handle: str, script: str, seconds: int, action: str) -> Any:
+        return self._call(
+            action,
+            lambda: tracked.sandbox.exec("sh", "-c", script, timeout=seconds, workdir=tracked.workdir, text=False),
+            handle=handle,
+            retry=False,  # a retried exec could run the command twice
+        )
+
+    def run_command(
+        self, handle: str, command: str, *, timeout: float, max_output_bytes: int
+    ) -> SandboxExecResult:
+        """
+        Run ``command`` with ``sh -c`` in the sandbox's workdir.
+
+        :param timeout: seconds; Modal kills the command at this deadline, rounded up to whole seconds
+            and cut to what is left of the sandbox's lifetime (``applied_timeout`` says what it had).
+            The sandbox and its files survive a timeout.
+        :param max_output_bytes: bytes of each stream's tail kept, counted while reading.
+        :returns: the result; ``sandbox_terminated`` when the sandbox died during the command.
+        :raises SandboxTerminalError: if the sandbox is gone or past its lifetime before the command starts.
+        """
+        check_positive(timeout, "timeout")
+        check_positive(max_output_bytes, "max_output_bytes")
+        if not isinstance(command, str) or not command.strip():
+            raise SandboxError(f"command must be a non-empty shell command, got {command!r}.")
+        tracked = self._lookup(handle)
+        seconds, clamped = self._deadline_for(handle, tracked, timeout)
+        started = self._monotonic()
+        process = self._exec(tracked, handle, command, seconds, "starting a command")
+        cap = int(max_output_bytes)
+        stdout, stderr = _TailReader(process.stdout, cap), _TailReader(process.stderr, cap)
+        stdout.start()
+        stderr.start()
+        died: BaseException | None = None
+        exit_code = -1
+        try:
+            exit_code = int(process.wait())
+        except Exception as err:  # noqa: BLE001 - sorted below
+            died = err
+        for reader in (stdout, stderr):
+            reader.join(seconds + STREAM_GRACE)
+        stuck = stdout.is_alive() or stderr.is_alive()
+        elapsed = self._monotonic() - started
+        exc = sys.modules["modal"].exception
+        if died is None:
+            died = stdout.error or stderr.error
+        terminated = False
+        timed_out = False
+        if died is not None:
+            if isinstance(died, exc.ExecTimeoutError):
+                timed_out = True
+            elif isinstance(died, (exc.SandboxTerminatedError, exc.SandboxTimeoutError, exc.NotFoundError)):
+                terminated = True
+            elif isinstance(died, exc.Error):
+                terminated = self._has_ended(handle)
+                if not terminated:
+                    raise self._translate(died, "running a command", handle) from died
+            else:
+                raise died
+        elif exit_code == -1 or (exit_code == 137 and elapsed >= seconds):
+            timed_out = True
+        if not terminated and (timed_out or exit_code >= 128):
+            terminated = (timed_out and clamped) or self._has_ended(handle)
+        if terminated:
+            self._tracked.pop(handle, None)
+            log.warning("Modal sandbox %s ended during a command", handle)
+        return SandboxExecResult(
+            exit_code=exit_code,
+            stdout=stdout.text(),
+            stderr=stderr.text(),
+            timed_out=timed_out,
+            stdout_truncated=stdout.truncated or stuck,
+            stderr_truncated=stderr.truncated or stuck,
+            sandbox_terminated=terminated,
+            applied_timeout=float(seconds),
+        )
+
+    # -- files -----------------------------------------------------------------------------------------
+
+    def _abs(self, tracked: _Tracked, path: str) -> str:
+        if not isinstance(path, str) or not path or "\0" in path:
+            raise SandboxError(f"{path!r} is not a path.")
+        return posixpath.normpath(posixpath.join(tracked.workdir, path))
+
+    def _stream_file(self, handle: str, path: str, sink: IO[bytes], *, max_bytes: int, verb: str) -> tuple[int, int]:
+        """
+        Copy the regular file at ``path`` into ``sink`` through one command; return (size, bytes copied).
+
+        The guest sends at most ``max_bytes + 1`` bytes (``head -c``), so no more than that crosses the wire.
+        """
+        check_positive(max_bytes, "max_bytes")
+        tracked = self._lookup(handle)
+        target = self._abs(tracked, path)
+        q = shlex.quote(target)
+        script = (
+            f"[ -e {q} ] && [ -r {q} ] || exit {_MISSING}; [ -d {q} ] && exit {_IS_DIR}; "
+            f"[ -f {q} ] || exit {_NOT_REGULAR}; s=$(stat -Lc %s -- {q}) || exit {_MISSING}; "
+            f"echo {_SIZE_MARK}$s >&2; [ \"$s\" -gt {int(max_bytes)} ] && exit {_TOO_LARGE}; "
+            f"exec head -c {int(max_bytes) + 1} -- {q}"
+        )
+        budget = FILE_OP_TIMEOUT + max_bytes / (4 * 1024 * 1024)
+        seconds, _ = self._deadline_for(handle, tracked, budget)
+        process = self._exec(tracked, handle, script, seconds, f"{verb} {path!r}")
+        errors = _TailReader(process.stderr, 64 * 1024)
+        errors.start()
+        copied = 0
+        exc = sys.modules["modal"].exception
+        try:
+            for chunk in process.stdout:
+                copied += len(chunk)
+                if copied > max_bytes:
+                    raise SandboxFileTooLargeError(path, copied, max_bytes)
+                sink.write(chunk)
+            code = int(process.wait())
+        except SandboxError:
+            raise
+        except exc.Error as err:
+            raise self._translate(err, f"{verb} {path!r}", handle) from err
+        errors.join(STREAM_GRACE)
+        found = re.findall(rf"{_SIZE_MARK}(\d+)", errors.text())
+        size = int(found[-1]) if found else None
+        if code == _TOO_LARGE:
+            raise SandboxFileTooLargeError(path, size or max_bytes + 1, max_bytes)
+        if code == _MISSING:
+            raise SandboxError(f"{path!r} does not exist in the sandbox, or cannot be read.")
+        if code == _IS_DIR:
+            raise SandboxError(f"{path!r} is a directory; list it with list_directory.")
+        if code == _NOT_REGULAR:
+            raise SandboxError(f"{path!r} is not a regular file.")
+        if code == -1:
+            raise SandboxError(f"Timed out after {seconds}s while {verb} {path!r}.")
+        if code != 0:
+            if self._has_ended(handle):
+                self._tracked.pop(handle, None)
+                raise SandboxTerminalError(f"Sandbox {handle!r} ended while {verb} {path!r}.")
+            detail = errors.text().strip().splitlines()[-1:] or [f"exit status {code}"]
+            raise SandboxError(f"Could not finish {verb} {path!r}: {detail[0]}")
+        if size is None:
+            raise SandboxError(f"The sandbox did not report the size of {path!r}.")
+        return size, copied
+
+    def read_file(self, handle: str, path: str, *, max_bytes: int) -> bytes:
+        """
+        Return the bytes of the regular file at ``path``; relative paths resolve in the workdir.
+
+        At most ``max_bytes + 1`` bytes leave the sandbox, whatever the file's size (Modal's own
+        ``read_bytes`` has no limit, so the copy goes through ``head -c``).
+
+        :raises SandboxFileTooLargeError: if the file holds more than ``max_bytes``.
+        :raises SandboxError: if it is missing, a directory or not a regular file.
+        """
+        buffer = io.BytesIO()
+        self._stream_file(handle, path, buffer, max_bytes=max_bytes, verb="reading")
+        return buffer.getvalue()
+
+    def export_file(self, handle: str, path: str, stream: IO[bytes], *, max_bytes: int) -> int:
+        """
+        Stream the regular file at ``path`` into ``stream``; return the bytes copied.
+
+        One command sends the raw bytes; memory holds one chunk at a time.
+
+        :raises SandboxFileTooLargeError: if the file holds more than ``max_bytes``.
+        :raises SandboxError: if it is missing, not a regular file, or changed during the copy.
+        """
+        size, copied = self._stream_file(handle, path, stream, max_bytes=max_bytes, verb="exporting")
+        check_export_size(path, size, copied)
+        return copied
+
+    def write_file(self, handle: str, path: str, data: bytes) -> None:
+        """
+        Write ``data`` to ``path`` with Modal's filesystem API, creating parent directories.
+
+        :raises SandboxError: if the path cannot be written (a directory there, say).
+        """
+        if isinstance(data, str):
+            data = data.encode()
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise SandboxError(f"write_file takes bytes or text, got {type(data).__name__}.")
+        tracked = self._lookup(handle)
+        target = self._abs(tracked, path)
+        self._call(
+            f"writing {path!r}", lambda: tracked.sandbox.filesystem.write_bytes(bytes(data), target), handle=handle
+        )
+
+    def import_file(self, handle: str, path: str, source: IO[bytes]) -> int:
+        """
+        Stream ``source`` into ``path``; return the bytes written.
+
+        The stream is spooled to a temporary file on the worker in 1 MiB pieces and uploaded with
+        Modal's ``copy_from_local``, so memory stays bounded however large the input is.
+        """
+        tracked = self._lookup(handle)
+        target = self._abs(tracked, path)
+        total = 0
+        with tempfile.NamedTemporaryFile(prefix="airflow-sandbox-upload-") as spool:
+            while True:
+                chunk = source.read(STREAM_CHUNK_BYTES)
+                if not chunk:
+                    break
+                if isinstance(chunk, str):
+                    chunk = chunk.encode()
+                spool.write(chunk)
+                total += len(chunk)
+            spool.flush()
+            self._call(
+                f"writing {path!r}",
+                lambda: tracked.sandbox.filesystem.copy_from_local(spool.name, target),
+                handle=handle,
+            )
+        return total
+
+    def list_directory(self, handle: str, path: str = ".") -> list[tuple[str, bool]]:
+        """
+        List the directory at ``path`` with Modal's filesystem API as sorted ``(name, is_directory)`` pairs.
+
+        A symbolic link is listed as not a directory.
+
+        :raises SandboxError: if ``path`` is missing or not a directory.
+        """
+        tracked = self._lookup(handle)
+        target = self._abs(tracked, path)
+        entries = self._call(
+            f"listing {path!r}", lambda: tracked.sandbox.filesystem.list_files(target), handle=handle
+        )
+        listed = []
+        for entry in entries:
+            kind = getattr(entry.type, "value", entry.type)
+            listed.append((entry.name, kind == "directory"))
+        return sorted(listed)
+
+    # -- tags and teardown -----------------------------------------------------------------------------
+
+    def read_tags(self, handle: str) -> Mapping[str, str]:
+        """
+        Return the sandbox's Modal tags.
+
+        :raises SandboxTerminalError: if the sandbox is gone or has ended.
+        """
+        tracked = self._lookup(handle)
+        code = self._call("checking the sandbox", lambda: tracked.sandbox.poll(), handle=handle)
+        if code is not None:
+            self._tracked.pop(handle, None)
+            raise SandboxTerminalError(
+                f"Sandbox {handle!r} has ended (exit status {code}); its files are gone. Provision a new one."
+            )
+        return self._call("reading its tags", lambda: dict(tracked.sandbox.get_tags()), handle=handle)
+
+    def write_tags(self, handle: str, tags: Mapping[str, str]) -> None:
+        """Replace the sandbox's Modal tags with ``tags``."""
+        tracked = self._lookup(handle)
+        self._call("writing its tags", lambda: tracked.sandbox.set_tags(dict(tags)), handle=handle)
+
+    def attach(self, handle: str, *, owner: str, holder: str) -> AttachedSandbox:
+        """Claim a sandbox another task provisioned; see :meth:`SandboxHook.attach`."""
+        self._check_modal_handle(handle)
+        try:
+            attached = super().attach(handle, owner=owner, holder=holder)
+        except SandboxError:
+            self._tracked.pop(handle, None)
+            raise
+        tracked = self._tracked.get(handle)
+        if tracked is not None:
+            if attached.workdir:
+                tracked.workdir = attached.workdir
+            if attached.remaining_lifetime is not None:
+                tracked.expires_at = time.time() + attached.remaining_lifetime
+        return attached
+
+    def release(self, handle: str, *, holder: str) -> None:
+        """Clear our holder stamp and forget the sandbox; it keeps running."""
+        try:
+            super().release(handle, holder=holder)
+        finally:
+            self._tracked.pop(handle, None)
+
+    def destroy(self, handle: str) -> None:
+        """
+        Ask Modal to end the sandbox and return without waiting for it to stop.
+
+        A sandbox that is already gone is fine. Any other failure is logged with the handle and not
+        raised: Modal ends the sandbox at its ``sandbox_timeout`` anyway.
+
+        :raises ValueError: if ``handle`` is not a sandbox handle at all.
+        """
+        self._check_modal_handle(handle)
+        tracked = self._tracked.pop(handle, None)
+        exc = _import_modal().exception
+        gone = (exc.NotFoundError, exc.SandboxTerminatedError)
+        try:
+            if tracked is None:
+                self._client()
+                hook = self.get_conn()
+                sandbox = self._call(
+                    "finding the sandbox", lambda: hook.get_sandbox(handle), handle=handle, passthrough=gone
+                )
+            else:
+                sandbox = tracked.sandbox
+            self._call("ending the sandbox", lambda: sandbox.terminate(), handle=handle, passthrough=gone)
+        except gone:
+            log.info("Modal sandbox %s was already gone", handle)
+        except SandboxError as err:
+            log.warning("Could not end Modal sandbox %s; Modal ends it at its lifetime: %s", handle, err)
+        else:
+            log.info("Asked Modal to end sandbox %s", handle)
+
+
+class _TailReader(threading.Thread):
+    """Drain one output stream of a Modal process in the background, keeping the last ``cap`` bytes."""
+
+    def __init__(self, stream: Any, cap: int) -> None:
+        super().__init__(daemon=True)
+        self._stream = stream
+        self._cap = cap
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._held = 0
+        self.truncated = False
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for chunk in self._stream:
+                if isinstance(chunk, str):
+                    chunk = chunk.encode()
+                self._chunks.append(chunk)
+                self._held += len(chunk)
+                while self._held > self._cap:
+                    extra = self._held - self._cap
+                    head = self._chunks[0]
+                    if len(head) <= extra:
+                        self._chunks.popleft()
+                        self._held -= len(head)
+                    else:
+                        self._chunks[0] = head[extra:]
+                        self._held -= extra
+                    self.truncated = True
+        except BaseException as err:  # reported to the caller, which decides
+            self.error = err
+
+    def text(self) -> str:
+        data = b"".join(self._chunks)
+        if self.truncated:
+            cut = data.find(b"\n")
+            # Drop the partial first line when that still leaves most of the window.
+            if 0 <= cut < len(data) // 2:
+                data = data[cut + 1 :]
+        return data.decode("utf-8", errors="replace")
+
+
+#: The name the public guide uses for this backend.
+ModalSandboxBackend = ModalSandboxHook
