@@ -1,0 +1,986 @@
+"""
+Sandboxes as containers on a Docker Engine, driven through the ``docker`` SDK.
+
+How the pieces map onto the Engine:
+
+- **A sandbox** is a container named ``airflow-sandbox-<hex>`` (the handle) with the label
+  ``airflow_sandbox``. Its main process is ``sleep <lifetime>`` under the Engine's init
+  (``--init``), so it idles, reaps orphans and ends on its own.
+- **The lifetime is the Engine's job, not the worker's.** The container is created with
+  auto-remove: when ``sleep`` reaches the end of ``sandbox_timeout`` the container stops, and the
+  daemon itself deletes it. A worker that is killed mid-task, or a machine that loses the worker,
+  leaves nothing running past the lifetime, and no sweeper has to run for that to hold.
+  :meth:`DockerSandboxHook.remove_expired` is still there for containers left over by daemons
+  restarted mid-lifetime and the like.
+- **Isolation**: no privileged mode, every capability dropped except the few a root shell needs
+  to manage its own files and processes (chown, override file permissions, set ids, kill),
+  ``no-new-privileges``, CPU, memory (no swap beyond it) and process-count limits. The Docker
+  socket is never mounted and nothing from the worker's environment is passed; only ``spec.env``.
+- **Network**: ``block_network=True`` gives the container no interface but loopback
+  (network mode ``none``). ``block_network=False`` joins the default bridge, or the network named
+  in the connection. Allow lists are refused until egress enforcement exists for this backend.
+- **Commands** run through exec under coreutils ``timeout`` inside the container, so the deadline
+  is enforced where the process tree runs: ``timeout`` leads its own process group and, at the
+  deadline, signals the whole group with SIGTERM, then SIGKILL two seconds later, which also stops
+  children that ignore SIGTERM. The container stays usable. The worker waits a short grace past
+  the deadline, then stops reading in any case.
+- **Files** go over the Engine's archive API as tar streams built and read with :mod:`tarfile`,
+  one piece at a time, so memory stays bounded whatever the file size. Paths and symbolic links
+  are resolved by the Engine inside the container, as a process there would see them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import posixpath
+import shutil
+import tarfile
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Any, ClassVar
+
+from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
+from sandbox_provider.sandbox.hook import SandboxHook, check_export_size
+from sandbox_provider.sandbox.output import TailBuffer
+from sandbox_provider.sandbox.spec import (
+    EXPIRES_AT_TAG,
+    NETWORK_TAG,
+    OWNER_TAG,
+    SANDBOX_NAME_PREFIX,
+    WORKDIR_TAG,
+    SandboxExecResult,
+    SandboxSpec,
+    check_handle,
+    check_positive,
+    encode_network_policy,
+    new_sandbox_name,
+)
+
+if TYPE_CHECKING:
+    import docker
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DockerSandboxBackend", "DockerSandboxHook", "DockerSandboxInfo"]
+
+#: The label every sandbox container of this provider carries; its value is the handle.
+SANDBOX_LABEL = "airflow_sandbox"
+#: Image used when neither the hook nor the connection names one.
+DEFAULT_IMAGE = "python:3.12-slim"
+DEFAULT_SANDBOX_TIMEOUT = 3600
+DEFAULT_CPUS = 1.0
+DEFAULT_MEMORY_BYTES = 1024**3
+DEFAULT_PIDS_LIMIT = 512
+#: Seconds for one API call to the Engine (command output streams are not bound by it).
+API_TIMEOUT = 60
+#: Capabilities kept; all others are dropped.
+KEPT_CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID")
+#: Seconds between SIGTERM and SIGKILL when a command reaches its deadline.
+KILL_AFTER = 2.0
+#: Seconds the worker waits past a deadline for the Engine to end the command's stream.
+WAIT_GRACE = 10.0
+#: Bytes per piece when moving files.
+CHUNK_BYTES = 1024 * 1024
+#: Sources up to this size are spooled in memory before upload; larger ones go to a temp file.
+SPOOL_MEMORY_BYTES = 8 * 1024 * 1024
+#: Where the changeable stamps (the holder) live inside the container; see ``write_tags``.
+TAGS_DIR = ".airflow-sandbox"
+TAGS_FILE = "/" + TAGS_DIR + "/tags.json"
+#: Stamps fixed as labels when the container is created.
+_LABEL_STAMPS = (OWNER_TAG, EXPIRES_AT_TAG, NETWORK_TAG, WORKDIR_TAG)
+_PULL_POLICIES = ("missing", "never", "always")
+
+# Go's os.FileMode bits, as the Engine reports them in a path stat.
+_GO_MODE_DIR = 1 << 31
+_GO_MODE_SYMLINK = 1 << 27
+_GO_MODE_TYPE = (1 << 31) | (1 << 27) | (1 << 26) | (1 << 25) | (1 << 24) | (1 << 21) | (1 << 19)
+_SYMLINK_HOPS = 40
+
+
+@dataclass(frozen=True)
+class DockerSandboxInfo:
+    """
+    One sandbox container this provider created, as :meth:`DockerSandboxHook.list_sandboxes` finds it.
+
+    :param handle: the container name, which is the sandbox handle.
+    :param owner: the owner stamp, or None.
+    :param expires_at: Unix time (seconds) when the Engine ends it, or None if unknown.
+    :param status: the Engine's container status (``running``, ``exited``, ...).
+    """
+
+    handle: str
+    owner: str | None
+    expires_at: float | None
+    status: str
+
+    def expired(self, now: float | None = None) -> bool:
+        """True when the lifetime has run out at ``now`` (default: the current time)."""
+        return self.expires_at is not None and self.expires_at <= (time.time() if now is None else now)
+
+
+class _ChunkReader(io.RawIOBase):
+    """A read-only binary file over an iterator of byte chunks (an archive download)."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks = chunks
+        self._pending = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:  # type: ignore[override]
+        while not self._pending:
+            try:
+                self._pending = next(self._chunks)
+            except StopIteration:
+                return 0
+        n = min(len(buffer), len(self._pending))
+        buffer[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+
+class DockerSandboxHook(SandboxHook):
+    """
+    Provision sandboxes as containers on a Docker Engine.
+
+    Connection (type ``sandbox_docker``, default id ``sandbox_docker_default``; when that default
+    connection is not defined, the worker's own Engine is used as ``DOCKER_HOST`` or the local
+    socket names it):
+
+    - ``host``: the daemon address, ``unix:///var/run/docker.sock`` or ``tcp://host:2376``.
+    - ``login`` / ``password``: registry credentials, used only to pull an image that is missing.
+    - extras ``tls_ca_cert``, ``tls_client_cert``, ``tls_client_key`` (paths on the worker) and
+      ``tls_verify`` for a TLS-protected daemon.
+    - extras ``image``, ``network``, ``cpus``, ``memory_bytes``, ``pids_limit``,
+      ``sandbox_timeout``: defaults that the hook arguments below override.
+
+    :param sandbox_conn_id: the Airflow connection to read.
+    :param image: the image sandboxes run; default the connection's, else ``python:3.12-slim``. It
+        needs ``sh``, ``sleep`` and coreutils ``timeout``.
+    :param cpus: CPUs per sandbox (fractions allowed); default 1.
+    :param memory_bytes: memory limit per sandbox in bytes, swap included; default 1 GiB.
+    :param pids_limit: most processes at once per sandbox; default 512.
+    :param sandbox_timeout: lifetime in seconds, after which the Engine stops and removes the
+        container; default 3600.
+    :param network: Docker network joined when a spec sets ``block_network=False``; default
+        ``bridge``.
+    :param pull: ``"missing"`` (default) pulls an image the Engine lacks, ``"never"`` refuses,
+        ``"always"`` pulls before each create.
+    :raises ValueError: for a non-positive limit or an unknown pull policy.
+    """
+
+    conn_name_attr = "sandbox_conn_id"
+    default_conn_name = "sandbox_docker_default"
+    conn_type = "sandbox_docker"
+    hook_name = "Sandbox (Docker Engine)"
+
+    name: ClassVar[str] = "docker"
+    attachable: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        sandbox_conn_id: str = default_conn_name,
+        *,
+        image: str | None = None,
+        cpus: float | None = None,
+        memory_bytes: int | None = None,
+        pids_limit: int | None = None,
+        sandbox_timeout: float | None = None,
+        network: str | None = None,
+        pull: str = "missing",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        if not isinstance(sandbox_conn_id, str) or not sandbox_conn_id.strip():
+            raise ValueError(f"sandbox_conn_id must be a connection id, got {sandbox_conn_id!r}.")
+        if image is not None and (not isinstance(image, str) or not image.strip()):
+            raise ValueError(f"image must be an image reference such as 'python:3.12-slim', got {image!r}.")
+        if network is not None and (not isinstance(network, str) or not network.strip()):
+            raise ValueError(f"network must be the name of a Docker network, got {network!r}.")
+        if pull not in _PULL_POLICIES:
+            raise ValueError(f"pull must be one of {', '.join(_PULL_POLICIES)}; got {pull!r}.")
+        self.sandbox_conn_id = sandbox_conn_id
+        self.image = image
+        self.cpus = check_positive(cpus, "cpus", allow_none=True)
+        self.memory_bytes = check_positive(memory_bytes, "memory_bytes", allow_none=True)
+        self.pids_limit = check_positive(pids_limit, "pids_limit", allow_none=True)
+        self.sandbox_timeout = check_positive(sandbox_timeout, "sandbox_timeout", allow_none=True)
+        self.network = network
+        self.pull = pull
+        self._lock = threading.Lock()
+        self._client_obj: docker.DockerClient | None = None
+        self._settings_obj: dict[str, Any] | None = None
+        self._where = "the local Docker Engine"
+        #: Expiry times of sandboxes this hook created or read, to clamp command deadlines.
+        self._expiry: dict[str, float] = {}
+
+    # -- connection ------------------------------------------------------------------------------------
+
+    def _settings(self) -> dict[str, Any]:
+        if self._settings_obj is not None:
+            return self._settings_obj
+        from airflow.exceptions import AirflowNotFoundException
+
+        host = login = password = None
+        extra: dict[str, Any] = {}
+        try:
+            conn = self.get_connection(self.sandbox_conn_id)
+        except AirflowNotFoundException:
+            if self.sandbox_conn_id != self.default_conn_name:
+                raise SandboxTerminalError(
+                    f"The Airflow connection {self.sandbox_conn_id!r} does not exist. Define it with type "
+                    f"sandbox_docker, or leave sandbox_conn_id unset to use the worker's own Docker Engine."
+                ) from None
+            log.debug("No connection %r; using the worker's Docker Engine defaults", self.sandbox_conn_id)
+        else:
+            host, login, password = conn.host or None, conn.login or None, conn.password or None
+            extra = dict(conn.extra_dejson or {})
+
+        def pick(arg: Any, key: str, default: Any) -> Any:
+            if arg is not None:
+                return arg
+            value = extra.get(key)
+            return default if value in (None, "") else value
+
+        settings = {
+            "host": host,
+            "login": login,
+            "password": password,
+            "image": pick(self.image, "image", DEFAULT_IMAGE),
+            "network": pick(self.network, "network", "bridge"),
+            "cpus": pick(self.cpus, "cpus", DEFAULT_CPUS),
+            "memory_bytes": pick(self.memory_bytes, "memory_bytes", DEFAULT_MEMORY_BYTES),
+            "pids_limit": pick(self.pids_limit, "pids_limit", DEFAULT_PIDS_LIMIT),
+            "sandbox_timeout": pick(self.sandbox_timeout, "sandbox_timeout", DEFAULT_SANDBOX_TIMEOUT),
+            "tls_ca_cert": extra.get("tls_ca_cert") or None,
+            "tls_client_cert": extra.get("tls_client_cert") or None,
+            "tls_client_key": extra.get("tls_client_key") or None,
+            "tls_verify": extra.get("tls_verify"),
+        }
+        for key in ("cpus", "memory_bytes", "pids_limit", "sandbox_timeout"):
+            value = settings[key]
+            if isinstance(value, str):
+                try:
+                    value = float(value)
+                except ValueError:
+                    pass
+            try:
+                check_positive(value, key)
+            except ValueError as err:
+                raise SandboxTerminalError(
+                    f"Connection {self.sandbox_conn_id!r} has a bad {key!r} extra: {err} Fix the extra or pass "
+                    f"{key}= to the hook."
+                ) from None
+            settings[key] = value
+        self._settings_obj = settings
+        return settings
+
+    def _client(self) -> docker.DockerClient:
+        with self._lock:
+            if self._client_obj is not None:
+                return self._client_obj
+            try:
+                import docker
+            except ImportError as err:
+                from airflow.exceptions import AirflowOptionalProviderFeatureException
+
+                raise AirflowOptionalProviderFeatureException(
+                    "The Docker sandbox backend needs the docker package: pip install 'airflow-provider-sandbox[docker]'."
+                ) from err
+            settings = self._settings()
+            host = settings["host"]
+            if host and "://" not in host:
+                host = ("unix://" + host) if host.startswith("/") else ("tcp://" + host)
+            tls: Any = False
+            cert, key, ca = settings["tls_client_cert"], settings["tls_client_key"], settings["tls_ca_cert"]
+            if cert or key or ca or settings["tls_verify"]:
+                if bool(cert) != bool(key):
+                    raise SandboxTerminalError(
+                        f"Connection {self.sandbox_conn_id!r} names only one of tls_client_cert and tls_client_key; "
+                        "a client certificate needs both."
+                    )
+                verify = settings["tls_verify"]
+                tls = docker.tls.TLSConfig(
+                    client_cert=(cert, key) if cert else None,
+                    ca_cert=ca,
+                    verify=bool(ca) if verify is None else (ca if (verify and ca) else bool(verify)),
+                )
+            self._where = f"the Docker Engine at {host}" if host else "the worker's Docker Engine"
+            try:
+                if host:
+                    client = docker.DockerClient(base_url=host, version="auto", tls=tls, timeout=API_TIMEOUT)
+                else:
+                    client = docker.DockerClient.from_env(version="auto", timeout=API_TIMEOUT)
+            except Exception as err:  # the SDK raises DockerException, requests or OS errors alike
+                raise self._unreachable(err) from err
+            self._client_obj = client
+            return client
+
+    def _unreachable(self, err: BaseException) -> SandboxTerminalError:
+        return SandboxTerminalError(
+            f"Cannot reach {self._where} for connection {self.sandbox_conn_id!r}: {err}. Start the Docker "
+            "daemon, or fix the connection's host (and TLS extras) so the worker can reach it."
+        )
+
+    def _engine_error(self, err: BaseException, doing: str, handle: str | None = None) -> SandboxError:
+        """Map an SDK error to the contract's errors."""
+        import docker.errors
+        import requests
+
+        if isinstance(err, docker.errors.NotFound) and handle:
+            self._expiry.pop(handle, None)
+            return SandboxTerminalError(
+                f"Sandbox {handle!r} does not exist on {self._where} (connection {self.sandbox_conn_id!r}): it was "
+                "destroyed or reached the end of its lifetime."
+            )
+        if isinstance(err, docker.errors.APIError) and err.status_code == 409 and handle:
+            return SandboxTerminalError(
+                f"Sandbox {handle!r} is not running on {self._where}: it has ended, or is being removed. "
+                f"({err.explanation or err})"
+            )
+        if isinstance(err, (requests.exceptions.ConnectionError, ConnectionError)):
+            return self._unreachable(err)
+        if isinstance(err, docker.errors.APIError) and (err.status_code or 0) >= 500:
+            return SandboxTerminalError(f"{self._where} failed while {doing}: {err.explanation or err}")
+        return SandboxError(f"{self._where} refused {doing}: {getattr(err, 'explanation', None) or err}")
+
+    @staticmethod
+    def _check_handle(handle: str) -> str:
+        check_handle(handle)
+        if not handle.startswith(SANDBOX_NAME_PREFIX):
+            raise ValueError(
+                f"{handle!r} is not a Docker sandbox handle; handles are the names create() returns, "
+                f"starting with {SANDBOX_NAME_PREFIX!r}."
+            )
+        return handle
+
+    # -- lifecycle -------------------------------------------------------------------------------------
+
+    def create(self, *, spec: SandboxSpec | None = None) -> str:
+        """
+        Start a sandbox container and return its handle, ``airflow-sandbox-<12 hex>``.
+
+        :param spec: env, network and owner; None means the defaults of :class:`SandboxSpec`
+            (no network).
+        :raises SandboxTerminalError: for host or CIDR allow lists (not enforced by this backend
+            yet), an Engine that cannot be reached, an image that is missing and cannot be pulled,
+            or a container that fails to start.
+        """
+        spec = spec if spec is not None else SandboxSpec()
+        if spec.has_allowlist:
+            raise SandboxTerminalError(
+                "The Docker sandbox backend cannot yet limit egress to listed hosts or address ranges "
+                f"(asked for hosts {list(spec.allow_egress_to or [])} and ranges "
+                f"{list(spec.allow_egress_to_cidrs or [])}). Drop the allow lists to keep the network blocked, "
+                "set block_network=False to give the sandbox the open network of the connection's Docker "
+                "network, or use a backend that enforces allow lists."
+            )
+        settings = self._settings()
+        client = self._client()
+        api = client.api
+        lifetime = float(settings["sandbox_timeout"])
+        handle = new_sandbox_name()
+        started = time.time()
+        # Stamped no later than the Engine's own end: sleep starts after this instant.
+        expires_at = int(started + lifetime)
+        labels = {
+            SANDBOX_LABEL: handle,
+            EXPIRES_AT_TAG: str(expires_at),
+            NETWORK_TAG: encode_network_policy(spec),
+            WORKDIR_TAG: self.workdir,
+        }
+        if spec.owner:
+            labels[OWNER_TAG] = spec.owner
+        memory = int(settings["memory_bytes"])
+        host_config = api.create_host_config(
+            init=True,
+            auto_remove=True,
+            network_mode="none" if spec.block_network else settings["network"],
+            cap_drop=["ALL"],
+            cap_add=list(KEPT_CAPABILITIES),
+            security_opt=["no-new-privileges"],
+            privileged=False,
+            nano_cpus=int(float(settings["cpus"]) * 1e9),
+            mem_limit=memory,
+            memswap_limit=memory,
+            pids_limit=int(settings["pids_limit"]),
+        )
+        kwargs = {
+            "image": settings["image"],
+            "name": handle,
+            "entrypoint": ["sleep", str(int(math.ceil(lifetime)))],
+            "command": [],
+            "environment": dict(spec.env or {}),
+            "working_dir": self.workdir,
+            "labels": labels,
+            "host_config": host_config,
+            "hostname": "sandbox",
+        }
+        if settings["image"] and self.pull == "always":
+            self._pull(settings["image"])
+        container_id = self._create_container(kwargs)
+        try:
+            api.start(container_id)
+        except Exception as err:
+            self._remove_quietly(container_id)
+            raise SandboxTerminalError(
+                f"Sandbox container {handle} did not start on {self._where} (connection "
+                f"{self.sandbox_conn_id!r}): {getattr(err, 'explanation', None) or err}"
+            ) from err
+        self._expiry[handle] = float(expires_at)
+        log.info("Started Docker sandbox %s from %s, lifetime %ss", handle, settings["image"], lifetime)
+        return handle
+
+    def _create_container(self, kwargs: dict[str, Any]) -> str:
+        import docker.errors
+
+        api = self._client().api
+        image = kwargs["image"]
+        for attempt in (1, 2):
+            try:
+                return api.create_container(**kwargs)["Id"]
+            except docker.errors.ImageNotFound as err:
+                if attempt == 2 or self.pull == "never":
+                    raise SandboxTerminalError(
+                        f"Image {image!r} is not on {self._where} (connection {self.sandbox_conn_id!r}) and this hook "
+                        "does not pull it (pull='never'). Load or build it there (scripts/docker/prepare.sh builds "
+                        "the project's test image), or name another image in the connection's image extra."
+                    ) from err
+                self._pull(image)
+            except Exception as err:
+                raise self._engine_error(err, "creating a sandbox container") from err
+        raise AssertionError("unreachable")
+
+    def _pull(self, image: str) -> None:
+        settings = self._settings()
+        auth = None
+        if settings["login"]:
+            auth = {"username": settings["login"], "password": settings["password"] or ""}
+        repository, _, tag = image.rpartition(":") if ":" in image.rsplit("/", 1)[-1] else (image, "", "")
+        log.info("Pulling image %s on %s", image, self._where)
+        try:
+            self._client().api.pull(repository or image, tag=tag or None, auth_config=auth)
+        except Exception as err:
+            raise SandboxTerminalError(
+                f"Image {image!r} is not on {self._where} (connection {self.sandbox_conn_id!r}) and could not be "
+                f"pulled: {getattr(err, 'explanation', None) or err}. Load or build the image on that Engine "
+                "(scripts/docker/prepare.sh builds the project's test image), set the connection's login and "
+                "password for a private registry, or name another image in the connection's image extra."
+            ) from err
+
+    def _remove_quietly(self, container: str) -> None:
+        try:
+            self._client().api.remove_container(container, force=True)
+        except Exception:
+            log.warning("Could not remove sandbox container %s", container, exc_info=True)
+
+    def destroy(self, handle: str) -> None:
+        """
+        Stop and remove the sandbox container. A sandbox that is gone (destroyed, or removed at the
+        end of its lifetime) is not an error.
+
+        :raises SandboxTerminalError: if the Engine cannot be reached.
+        """
+        import docker.errors
+
+        self._check_handle(handle)
+        self._expiry.pop(handle, None)
+        try:
+            self._client().api.remove_container(handle, force=True)
+        except docker.errors.NotFound:
+            return
+        except docker.errors.APIError as err:
+            if err.status_code == 409:  # the Engine's own auto-remove is already under way
+                return
+            raise self._engine_error(err, f"removing sandbox {handle!r}") from err
+        except Exception as err:
+            raise self._engine_error(err, f"removing sandbox {handle!r}") from err
+
+    # -- commands --------------------------------------------------------------------------------------
+
+    def run_command(
+        self, handle: str, command: str, *, timeout: float, max_output_bytes: int
+    ) -> SandboxExecResult:
+        """
+        Run ``command`` with ``sh -c`` in the sandbox's working directory.
+
+        The deadline is enforced inside the container by coreutils ``timeout`` on the command's
+        whole process group (SIGTERM, then SIGKILL after 2 s). When the lifetime this hook knows of
+        ends sooner, the deadline is shortened to it and reported as ``applied_timeout``.
+
+        :param timeout: seconds before the command's process tree is killed.
+        :param max_output_bytes: bytes kept per stream (the tail), applied while reading.
+        :raises SandboxTerminalError: if the sandbox is gone or not running, or the Engine is
+            unreachable.
+        """
+        self._check_handle(handle)
+        check_positive(timeout, "timeout")
+        check_positive(max_output_bytes, "max_output_bytes")
+        if not isinstance(command, str) or not command.strip():
+            raise SandboxError("command must be a non-empty shell command string.")
+        budget = float(timeout)
+        applied: float | None = None
+        expires = self._expiry.get(handle)
+        if expires is not None:
+            left = expires - time.time()
+            if left <= 0:
+                raise SandboxTerminalError(f"Sandbox {handle!r} has reached the end of its lifetime.")
+            if left < budget:
+                budget = applied = max(1.0, left)
+        api = self._client().api
+        argv = ["timeout", "-k", f"{KILL_AFTER:g}", f"{budget:.3f}", "sh", "-c", command]
+        try:
+            exec_id = api.exec_create(handle, argv, stdout=True, stderr=True, stdin=False, tty=False)["Id"]
+            began = time.monotonic()
+            stream = api.exec_start(exec_id, stream=True, demux=True)
+        except Exception as err:
+            raise self._engine_error(err, "starting a command", handle) from err
+        out, err_buf = TailBuffer(int(max_output_bytes)), TailBuffer(int(max_output_bytes))
+        failure: list[BaseException] = []
+
+        def pump() -> None:
+            try:
+                for chunk_out, chunk_err in stream:
+                    if chunk_out:
+                        out.write(chunk_out)
+                    if chunk_err:
+                        err_buf.write(chunk_err)
+            except Exception as exc:  # reported below; a closed stream ends here too
+                failure.append(exc)
+
+        reader = threading.Thread(target=pump, daemon=True, name=f"docker-exec-{handle}")
+        reader.start()
+        reader.join(budget + KILL_AFTER + WAIT_GRACE)
+        abandoned = reader.is_alive()
+        if abandoned:
+            log.warning("Command in sandbox %s outlived its deadline; no longer waiting for its output", handle)
+            try:
+                stream.close()
+            except Exception:
+                pass
+            reader.join(5)
+        elapsed = time.monotonic() - began
+        try:
+            exit_code = api.exec_inspect(exec_id).get("ExitCode")
+        except Exception as exc:
+            raise self._engine_error(exc, "reading a command's exit status", handle) from exc
+        terminated = False
+        if exit_code is None or exit_code >= 128 or failure:
+            terminated = not self._is_running(handle)
+        timed_out = abandoned or (exit_code in (124, 137) and elapsed >= budget and not terminated)
+        return SandboxExecResult(
+            exit_code=-1 if exit_code is None else int(exit_code),
+            stdout=out.text(),
+            stderr=err_buf.text(),
+            timed_out=timed_out,
+            stdout_truncated=out.truncated,
+            stderr_truncated=err_buf.truncated,
+            sandbox_terminated=terminated,
+            applied_timeout=applied,
+        )
+
+    def _is_running(self, handle: str) -> bool:
+        import docker.errors
+
+        try:
+            state = self._client().api.inspect_container(handle)["State"]
+        except docker.errors.NotFound:
+            self._expiry.pop(handle, None)
+            return False
+        return bool(state.get("Running")) and not state.get("Paused")
+
+    # -- files -----------------------------------------------------------------------------------------
+
+    def _abs(self, path: str) -> str:
+        if not isinstance(path, str) or not path or "\0" in path:
+            raise SandboxError(f"{path!r} is not a usable path; give a non-empty path without NUL characters.")
+        joined = path if path.startswith("/") else posixpath.join(self.workdir, path)
+        return posixpath.normpath(joined).replace("//", "/")
+
+    def _stat(self, handle: str, path: str) -> dict[str, Any] | None:
+        """The Engine's stat of ``path`` in the container (not following a final symlink), or None if missing."""
+        import docker.errors
+        from docker.utils import decode_json_header
+
+        api = self._client().api
+        try:
+            res = api.head(api._url("/containers/{0}/archive", handle), params={"path": path}, timeout=API_TIMEOUT)
+            if res.status_code == 404 and "x-docker-container-path-stat" not in res.headers:
+                # A missing path and a missing container both answer 404; tell them apart.
+                if not self._is_running(handle):
+                    raise docker.errors.NotFound(f"No such container: {handle}")
+                return None
+            api._raise_for_status(res)
+        except Exception as err:
+            raise self._engine_error(err, f"looking up {path!r}", handle) from err
+        header = res.headers.get("x-docker-container-path-stat")
+        return decode_json_header(header) if header else None
+
+    def _resolve(self, handle: str, path: str) -> tuple[str, dict[str, Any] | None]:
+        """Follow symbolic links as the container sees them; return the final path and its stat (None if missing)."""
+        current = self._abs(path)
+        for _ in range(_SYMLINK_HOPS):
+            info = self._stat(handle, current)
+            if info is None or not int(info.get("mode", 0)) & _GO_MODE_SYMLINK:
+                return current, info
+            target = info.get("linkTarget") or ""
+            if not target:
+                return current, info
+            current = target if target.startswith("/") else posixpath.normpath(
+                posixpath.join(posixpath.dirname(current), target)
+            )
+        raise SandboxError(f"{path!r} has too many levels of symbolic links.")
+
+    def _regular_file(self, handle: str, path: str, max_bytes: int, verb: str) -> tuple[str, int]:
+        resolved, info = self._resolve(handle, path)
+        if info is None:
+            raise SandboxError(f"{path!r} does not exist in the sandbox, or cannot be read.")
+        mode = int(info.get("mode", 0))
+        if mode & _GO_MODE_DIR:
+            raise SandboxError(f"{path!r} is a directory; list it with list_directory.")
+        if mode & _GO_MODE_TYPE:
+            raise SandboxError(f"{path!r} is not a regular file; only a regular file can be {verb}.")
+        size = int(info.get("size", 0))
+        if size > max_bytes:
+            raise SandboxFileTooLargeError(path, size, max_bytes)
+        return resolved, size
+
+    def _download(self, handle: str, resolved: str, path: str, sink: IO[bytes], max_bytes: int) -> int:
+        """Stream the one regular file at ``resolved`` into ``sink``; return the bytes written."""
+        api = self._client().api
+        try:
+            chunks, _ = api.get_archive(handle, resolved, chunk_size=CHUNK_BYTES)
+        except Exception as err:
+            raise self._engine_error(err, f"reading {path!r}", handle) from err
+        reader = io.BufferedReader(_ChunkReader(iter(chunks)), buffer_size=CHUNK_BYTES)
+        copied = 0
+        try:
+            with tarfile.open(fileobj=reader, mode="r|", bufsize=CHUNK_BYTES) as archive:
+                member = archive.next()
+                if member is None or not member.isreg():
+                    raise SandboxError(f"{path!r} is not a regular file; only a regular file can be read.")
+                if member.size > max_bytes:
+                    raise SandboxFileTooLargeError(path, member.size, max_bytes)
+                source = archive.extractfile(member)
+                assert source is not None
+                while True:
+                    piece = source.read(CHUNK_BYTES)
+                    if not piece:
+                        break
+                    copied += len(piece)
+                    sink.write(piece)
+        except SandboxError:
+            raise
+        except tarfile.TarError as err:
+            raise SandboxError(f"The Engine sent an unreadable archive for {path!r}: {err}") from err
+        except Exception as err:
+            raise self._engine_error(err, f"reading {path!r}", handle) from err
+        finally:
+            reader.close()
+        return copied
+
+    def read_file(self, handle: str, path: str, *, max_bytes: int) -> bytes:
+        """
+        Return the bytes of the regular file at ``path``; relative paths resolve in the workdir and
+        symbolic links are followed inside the container.
+
+        The size is checked before any content moves, so no more than ``max_bytes`` is transferred.
+
+        :raises SandboxFileTooLargeError: if the file holds more than ``max_bytes``.
+        :raises SandboxError: if it is missing, a directory or not a regular file.
+        :raises SandboxTerminalError: if the sandbox is gone.
+        """
+        self._check_handle(handle)
+        check_positive(max_bytes, "max_bytes")
+        resolved, _ = self._regular_file(handle, path, int(max_bytes), "read")
+        buffer = io.BytesIO()
+        self._download(handle, resolved, path, buffer, int(max_bytes))
+        return buffer.getvalue()
+
+    def export_file(self, handle: str, path: str, stream: IO[bytes], *, max_bytes: int) -> int:
+        """
+        Copy the regular file at ``path`` into the writable binary ``stream``; return the bytes copied.
+
+        The archive is read one 1 MiB piece at a time, so memory stays bounded for any size.
+
+        :raises SandboxFileTooLargeError: if the file holds more than ``max_bytes``.
+        :raises SandboxError: if it is missing, not a regular file, or changed while it was copied.
+        :raises SandboxTerminalError: if the sandbox is gone.
+        """
+        self._check_handle(handle)
+        check_positive(max_bytes, "max_bytes")
+        resolved, size = self._regular_file(handle, path, int(max_bytes), "exported")
+        copied = self._download(handle, resolved, path, stream, int(max_bytes))
+        check_export_size(path, size, copied)
+        return copied
+
+    def write_file(self, handle: str, path: str, data: bytes) -> None:
+        """
+        Write ``data`` to ``path``, creating parent directories and replacing what was there
+        (through a symbolic link, as a shell redirection would).
+
+        :raises SandboxError: if the path cannot be written (a directory there, say).
+        """
+        if isinstance(data, str):
+            data = data.encode()
+        self.import_file(handle, path, io.BytesIO(data))
+
+    def import_file(self, handle: str, path: str, source: IO[bytes]) -> int:
+        """
+        Stream ``source`` into the file at ``path`` over the archive API; return the bytes written.
+
+        A source that cannot report its size is spooled first (memory up to 8 MiB, then a temporary
+        file), because a tar header carries the size. Parent directories are created; an existing
+        file keeps its permission bits.
+
+        :raises SandboxError: if the path is a directory or cannot be written.
+        :raises SandboxTerminalError: if the sandbox is gone.
+        """
+        import docker.errors
+
+        self._check_handle(handle)
+        resolved, info = self._resolve(handle, path)
+        if info is not None and int(info.get("mode", 0)) & _GO_MODE_DIR:
+            raise SandboxError(f"{path!r} is a directory; write to a file path inside it.")
+        mode = (int(info.get("mode", 0)) & 0o7777) if info is not None else 0o644
+        parent, name = posixpath.split(resolved)
+        if not name:
+            raise SandboxError(f"{path!r} names no file.")
+        if info is None:
+            parent_info = self._stat(handle, parent)
+            if parent_info is None:
+                self._mkdir(handle, parent, path)
+            elif not int(parent_info.get("mode", 0)) & (_GO_MODE_DIR | _GO_MODE_SYMLINK):
+                raise SandboxError(f"Cannot write {path!r}: {parent!r} is not a directory.")
+        spooled: IO[bytes] | None = None
+        size = _remaining_size(source)
+        if size is None:
+            spooled = tempfile.SpooledTemporaryFile(max_size=SPOOL_MEMORY_BYTES)
+            shutil.copyfileobj(source, spooled, CHUNK_BYTES)
+            size = spooled.tell()
+            spooled.seek(0)
+            source = spooled
+        member = tarfile.TarInfo(name)
+        member.size = size
+        member.mode = mode
+        member.mtime = int(time.time())
+        sent = [0]
+
+        def body() -> Iterator[bytes]:
+            yield member.tobuf(format=tarfile.PAX_FORMAT)
+            while sent[0] < size:
+                piece = source.read(min(CHUNK_BYTES, size - sent[0]))
+                if not piece:
+                    break
+                sent[0] += len(piece)
+                yield piece
+            if sent[0] < size:  # a source that shrank; pad so the archive stays well-formed, then refuse
+                yield bytes(size - sent[0])
+            pad = (-size) % tarfile.BLOCKSIZE
+            yield bytes(pad + 2 * tarfile.BLOCKSIZE)
+
+        try:
+            self._client().api.put_archive(handle, parent, body())
+        except docker.errors.NotFound as err:
+            if not self._is_running(handle):
+                raise self._engine_error(err, f"writing {path!r}", handle) from err
+            raise SandboxError(f"Cannot write {path!r}: its directory {parent!r} is missing.") from err
+        except docker.errors.APIError as err:
+            if (err.status_code or 0) < 500 and err.status_code != 409:
+                raise SandboxError(f"Cannot write {path!r}: {err.explanation or err}") from err
+            raise self._engine_error(err, f"writing {path!r}", handle) from err
+        except Exception as err:
+            raise self._engine_error(err, f"writing {path!r}", handle) from err
+        finally:
+            if spooled is not None:
+                spooled.close()
+        if sent[0] != size:
+            raise SandboxError(f"The source for {path!r} ended after {sent[0]} of the {size} bytes it reported.")
+        return size
+
+    def _mkdir(self, handle: str, directory: str, path: str) -> None:
+        quoted = "'" + directory.replace("'", "'\\''") + "'"
+        result = self.run_command(handle, f"mkdir -p -- {quoted}", timeout=60, max_output_bytes=4096)
+        if result.sandbox_terminated:
+            raise SandboxTerminalError(f"The sandbox ended while writing {path!r}.")
+        if not result.ok:
+            detail = result.stderr.strip() or f"exit status {result.exit_code}"
+            raise SandboxError(f"Cannot create the directory for {path!r}: {detail}")
+
+    # -- stamps ----------------------------------------------------------------------------------------
+
+    def _container_labels(self, handle: str) -> dict[str, str]:
+        self._check_handle(handle)
+        try:
+            info = self._client().api.inspect_container(handle)
+        except Exception as err:
+            raise self._engine_error(err, f"reading sandbox {handle!r}", handle) from err
+        labels = dict(info.get("Config", {}).get("Labels") or {})
+        if labels.get(SANDBOX_LABEL) != handle:
+            raise SandboxTerminalError(f"Container {handle!r} was not created by this provider; it cannot be attached.")
+        state = info.get("State") or {}
+        if not state.get("Running"):
+            raise SandboxTerminalError(f"Sandbox {handle!r} has ended (status {state.get('Status')!r}).")
+        return labels
+
+    def read_tags(self, handle: str) -> Mapping[str, str]:
+        """
+        Return the sandbox's stamps: owner, expiry, network and workdir from its labels, and the
+        holder (with any other changeable stamp) from the stamp file inside it; see :meth:`write_tags`.
+
+        :raises SandboxTerminalError: if the sandbox is missing or has ended.
+        """
+        labels = self._container_labels(handle)
+        tags = {key: labels[key] for key in _LABEL_STAMPS if key in labels}
+        try:
+            self._expiry[handle] = float(tags[EXPIRES_AT_TAG])
+        except (KeyError, ValueError):
+            pass
+        buffer = io.BytesIO()
+        info = self._stat(handle, TAGS_FILE)
+        if info is not None:
+            self._download(handle, TAGS_FILE, TAGS_FILE, buffer, 1024 * 1024)
+            try:
+                stored = json.loads(buffer.getvalue() or b"{}")
+            except ValueError:
+                log.warning("Sandbox %s has an unreadable stamp file; treating it as empty", handle)
+                stored = {}
+            if isinstance(stored, dict):
+                for key, value in stored.items():
+                    if key not in _LABEL_STAMPS and isinstance(key, str) and isinstance(value, str):
+                        tags[key] = value
+        return tags
+
+    def write_tags(self, handle: str, tags: Mapping[str, str]) -> None:
+        """
+        Replace the sandbox's changeable stamps with ``tags``.
+
+        Owner, expiry, network and workdir are container labels, set at create: the Engine has no
+        call that changes a container's labels, and labels are out of reach of code inside the
+        sandbox, which suits the stamps that attach checks. The holder must change after create,
+        so it (with any other stamp not among those four) lives in a small JSON file at
+        ``/.airflow-sandbox/tags.json`` inside the container, written and read over the archive
+        API. Any process that reaches the Engine can read it, it goes away with the container, and
+        it needs no store beside the Engine. Code in the sandbox can rewrite that file, which is
+        acceptable because the holder is attribution, not a lock; the owner stays in a label.
+
+        :raises SandboxTerminalError: if the sandbox is missing or ended, or ``tags`` changes or
+            drops a stamp fixed at create.
+        """
+        labels = self._container_labels(handle)
+        for key in _LABEL_STAMPS:
+            if labels.get(key) != tags.get(key):
+                raise SandboxTerminalError(
+                    f"Stamp {key!r} of Docker sandbox {handle!r} is fixed when the sandbox is provisioned "
+                    f"({labels.get(key)!r}); only the holder and other stamps can change afterwards."
+                )
+        changeable = {k: v for k, v in tags.items() if k not in _LABEL_STAMPS}
+        payload = json.dumps(changeable, sort_keys=True).encode()
+        archive = io.BytesIO()
+        with tarfile.open(fileobj=archive, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            directory = tarfile.TarInfo(TAGS_DIR)
+            directory.type, directory.mode, directory.mtime = tarfile.DIRTYPE, 0o700, int(time.time())
+            tar.addfile(directory)
+            member = tarfile.TarInfo(TAGS_FILE.lstrip("/"))
+            member.size, member.mode, member.mtime = len(payload), 0o600, int(time.time())
+            tar.addfile(member, io.BytesIO(payload))
+        try:
+            self._client().api.put_archive(handle, "/", archive.getvalue())
+        except Exception as err:
+            raise self._engine_error(err, f"writing the stamps of sandbox {handle!r}", handle) from err
+
+    # -- finding what is left ---------------------------------------------------------------------------
+
+    def list_sandboxes(self, *, owner: str | None = None, dag_id: str | None = None) -> list[DockerSandboxInfo]:
+        """
+        List this provider's sandbox containers on the Engine, running or not.
+
+        :param owner: only those stamped with this owner, e.g. ``dag_run_owner(context)`` for one Dag run.
+        :param dag_id: only those whose owner belongs to this Dag (``"<dag_id>/..."``).
+        :raises SandboxTerminalError: if the Engine cannot be reached.
+        """
+        filters: dict[str, Any] = {"label": [SANDBOX_LABEL]}
+        if owner is not None:
+            filters["label"].append(f"{OWNER_TAG}={owner}")
+        try:
+            found = self._client().api.containers(all=True, filters=filters)
+        except Exception as err:
+            raise self._engine_error(err, "listing sandboxes") from err
+        result = []
+        for item in found:
+            labels = item.get("Labels") or {}
+            handle = labels.get(SANDBOX_LABEL) or (item.get("Names") or ["?"])[0].lstrip("/")
+            found_owner = labels.get(OWNER_TAG)
+            if dag_id is not None and not (found_owner or "").startswith(dag_id + "/"):
+                continue
+            try:
+                expires: float | None = float(labels[EXPIRES_AT_TAG])
+            except (KeyError, ValueError):
+                expires = None
+            result.append(DockerSandboxInfo(handle, found_owner, expires, str(item.get("State") or "")))
+        return sorted(result, key=lambda info: info.handle)
+
+    def remove_expired(
+        self, *, owner: str | None = None, dag_id: str | None = None, now: float | None = None
+    ) -> list[str]:
+        """
+        Remove this provider's containers that are past their lifetime, or stopped and not yet
+        removed; return their handles. The Engine normally removes them itself; this catches
+        what a restarted daemon or an interrupted removal left behind.
+
+        :param now: the Unix time to judge expiry by; default the current time.
+        """
+        removed = []
+        for info in self.list_sandboxes(owner=owner, dag_id=dag_id):
+            if info.expired(now) or info.status in ("exited", "dead"):
+                self.destroy(info.handle)
+                removed.append(info.handle)
+        if removed:
+            log.info("Removed %d leftover Docker sandboxes: %s", len(removed), ", ".join(removed))
+        return removed
+
+    # -- connection test -------------------------------------------------------------------------------
+
+    def test_connection(self) -> tuple[bool, str]:
+        """Ping the Engine and report its version and whether it has the default image; never raises."""
+        try:
+            client = self._client()
+            client.api.ping()
+            version = client.api.version()
+            image = self._settings()["image"]
+            try:
+                client.api.inspect_image(image)
+                image_note = f"image {image} is present"
+            except Exception:
+                image_note = f"image {image} is not there yet (pull={self.pull!r})"
+            return True, (
+                f"Docker Engine {version.get('Version', '?')} (API {version.get('ApiVersion', '?')}) answered at "
+                f"{self._where}; {image_note}."
+            )
+        except Exception as err:
+            return False, f"{type(err).__name__}: {err}"
+
+
+def _remaining_size(source: IO[bytes]) -> int | None:
+    """Bytes left in a seekable source, or None when it cannot tell."""
+    try:
+        if not source.seekable():
+            return None
+        here = source.tell()
+        end = source.seek(0, io.SEEK_END)
+        source.seek(here)
+        return end - here
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+#: The same class, under the name the public sandbox guide uses for backends.
+DockerSandboxBackend = DockerSandboxHook
+
