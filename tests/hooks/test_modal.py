@@ -778,3 +778,29 @@ def test_test_connection_round_trip(make_hook, fake):
 def test_monotonic_clock_is_untouched_by_time_machine(make_hook):
     hook = ModalSandboxHook()
     assert hook._monotonic is time.monotonic
+
+
+def test_example_dags_parse_without_modal_or_a_connection(monkeypatch):
+    import runpy
+
+    from airflow.sdk import BaseHook
+
+    def no_lookup(cls, *args, **kwargs):
+        raise AssertionError("a connection was read while parsing the example Dags")
+
+    def no_modal(self):
+        raise AssertionError("Modal was contacted while parsing the example Dags")
+
+    monkeypatch.setitem(sys.modules, "modal", None)  # "import modal" would fail
+    monkeypatch.setattr(BaseHook, "get_connection", classmethod(no_lookup))
+    monkeypatch.setattr(ModalSandboxHook, "get_conn", no_modal)
+    path = os.path.join(os.path.dirname(modal_module.__file__), "..", "example_dags", "example_sandbox_modal.py")
+    found = runpy.run_path(path, run_name="example_sandbox_modal")
+    artifact, attach = found["artifact_dag"], found["attach_dag"]
+    assert artifact.dag_id == "example_sandbox_modal_artifact"
+    assert set(artifact.task_dict) == {"summarise"}
+    assert attach.dag_id == "example_sandbox_modal_attach"
+    assert set(attach.task_dict) == {"provision", "analyse", "collect"}
+    assert attach.task_dict["collect"].upstream_task_ids == {"analyse"}
+    for task_id in ("provision", "analyse", "collect"):
+        assert isinstance(attach.task_dict[task_id].backend, ModalSandboxHook)
