@@ -340,7 +340,11 @@ class TestLifetimeAndAttach:
         results = []
         thread = threading.Thread(target=lambda: results.append(run(hook, handle, "sleep 60", timeout=120)))
         thread.start()
-        time.sleep(0.5)
+        path = os.path.join(hook.state_root, handle)
+        for _ in range(200):
+            if any(name.startswith("run-") for name in os.listdir(path)):
+                break
+            time.sleep(0.05)
         LocalSandboxHook(state_root=hook.state_root).destroy(handle)
         thread.join(timeout=20)
         assert not thread.is_alive()

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
+import selectors
 import logging
 import os
 import shlex
@@ -41,7 +43,7 @@ from typing import IO, Any
 
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
 from sandbox_provider.sandbox.hook import FILE_OP_TIMEOUT, SandboxHook, check_export_size
-from sandbox_provider.sandbox.output import TailBuffer, drain_into
+from sandbox_provider.sandbox.output import TailBuffer
 from sandbox_provider.sandbox.spec import (
     DEFAULT_WORKDIR,
     EXPIRES_AT_TAG,
@@ -159,8 +161,7 @@ class LocalSandboxHook(SandboxHook):
         self.bwrap_path = bwrap_path
         self._clock = clock
         self._settings: dict[str, Any] | None = None
-        self._live: dict[int, subprocess.Popen] = {}
-        self._live_lock = threading.Lock()
+        self._probed = False
 
     # -- settings --------------------------------------------------------------------------------------
 
@@ -295,7 +296,7 @@ class LocalSandboxHook(SandboxHook):
         path = os.path.join(root, handle)
         os.mkdir(path, 0o700)
         try:
-            for sub in ("workspace", "tmp", "run"):
+            for sub in ("workspace", "tmp"):
                 os.mkdir(os.path.join(path, sub), 0o700)
             _write_json(os.path.join(path, _ENV), dict(spec.env or {}))
             tags = {
@@ -306,9 +307,15 @@ class LocalSandboxHook(SandboxHook):
             if spec.owner:
                 tags[OWNER_TAG] = spec.owner
             _write_json(os.path.join(path, _STAMPS), tags)
-            probe = self._exec(handle, ["true"], timeout=60, max_output_bytes=64 * 1024)
-            if not probe.ok:
-                raise SandboxTerminalError(f"A new sandbox could not run a command on this worker: {probe.stderr.strip()}")
+            if not self._probed:
+                # Once per hook: prove bubblewrap can build this sandbox here, so a worker without
+                # user namespaces fails at create with bwrap's reason rather than at the first command.
+                probe = self._exec(handle, ["true"], timeout=60, max_output_bytes=64 * 1024)
+                if not probe.ok:
+                    raise SandboxTerminalError(
+                        f"A new sandbox could not run a command on this worker: {probe.stderr.strip()}"
+                    )
+                self._probed = True
         except BaseException:
             _remove_tree(path)
             raise
@@ -347,12 +354,11 @@ class LocalSandboxHook(SandboxHook):
         return removed
 
     def _kill_running(self, path: str) -> None:
-        run_dir = os.path.join(path, "run")
         with contextlib.suppress(OSError):
-            for name in os.listdir(run_dir):
-                if not name.isdigit():
+            for name in os.listdir(path):
+                if not name.startswith("run-") or not name[4:].isdigit():
                     continue
-                pid = int(name)
+                pid = int(name[4:])
                 try:
                     with open(f"/proc/{pid}/cmdline", "rb") as f:
                         cmdline = f.read()
@@ -484,40 +490,37 @@ class LocalSandboxHook(SandboxHook):
             raise SandboxTerminalError(f"Could not start bubblewrap: {err}") from err
         finally:
             os.close(status_w)
-        marker = os.path.join(path, "run", str(proc.pid))
-        with contextlib.suppress(OSError):
-            open(marker, "w").close()
-        with self._live_lock:
-            self._live[proc.pid] = proc
-        out = TailBuffer(max_output_bytes)
-        err_buf = TailBuffer(max(max_output_bytes, 64 * 1024))
-        pumps = [drain_into(proc.stderr, err_buf)]
-        sink_error: list[BaseException] = []
-        if stdout_sink is None:
-            pumps.append(drain_into(proc.stdout, out))
-        else:
-            pumps.append(_stream_out(proc.stdout, stdout_sink, sink_error))
-        feeder = _feed(proc.stdin, stdin) if stdin is not None else None
-        timed_out = False
+        marker = os.path.join(path, f"run-{proc.pid}")
         try:
-            proc.wait(timeout=budget)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+            open(marker, "w").close()
+        except OSError:
+            # Destroyed between the checks above and now: nothing may run in a removed sandbox.
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        out = TailBuffer(max_output_bytes)
+        err_buf = TailBuffer(max(max_output_bytes, 64 * 1024))
+        sink_error: list[BaseException] = []
+
+        def to_stdout(data: bytes) -> None:
+            if stdout_sink is None:
+                out.write(data)
+            elif not sink_error:
+                try:
+                    stdout_sink(data)
+                except BaseException as exc:  # keep draining so the command can finish
+                    sink_error.append(exc)
+
+        feeder = _feed(proc.stdin, stdin) if stdin is not None else None
+        try:
+            timed_out = _pump(proc, {proc.stdout: to_stdout, proc.stderr: err_buf.write}, budget)
         except BaseException:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             raise
         finally:
-            for pump in pumps:
-                pump.join(timeout=10)
             if feeder is not None:
                 feeder.join(timeout=10)
-            with self._live_lock:
-                self._live.pop(proc.pid, None)
             with contextlib.suppress(OSError):
                 os.unlink(marker)
             status = _read_status(status_r)
@@ -703,6 +706,65 @@ def _remove_tree(path: str) -> None:
     shutil.rmtree(path, onerror=fix)
 
 
+def _pump(proc: subprocess.Popen, readers: dict[Any, Callable[[bytes], None]], budget: float) -> bool:
+    """
+    Read the process's pipes into their callbacks until it exits and they close, or ``budget``
+    seconds pass; then kill its process group. Return whether the deadline was hit.
+
+    One thread and one selector: no polling, so a short command costs no added latency.
+    """
+    deadline = time.monotonic() + budget
+    timed_out = False
+    pidfd = os.pidfd_open(proc.pid)
+    grace: float | None = None
+    with selectors.DefaultSelector() as selector:
+        for pipe, callback in readers.items():
+            os.set_blocking(pipe.fileno(), False)
+            with contextlib.suppress(OSError):  # bigger pipes: fewer wake-ups on large outputs
+                fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, 1024 * 1024)
+            selector.register(pipe.fileno(), selectors.EVENT_READ, callback)
+        selector.register(pidfd, selectors.EVENT_READ, None)
+        open_pipes = len(readers)
+        exited = False
+        try:
+            while open_pipes or not exited:
+                now = time.monotonic()
+                limit = grace if grace is not None else deadline
+                if now >= limit:
+                    if grace is not None:
+                        break  # the process is gone; stop waiting for pipes a stray holder keeps open
+                    timed_out = True
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    grace = now + 10
+                    continue
+                for key, _ in selector.select(timeout=limit - now):
+                    if key.data is None:
+                        selector.unregister(pidfd)
+                        exited = True
+                        if grace is None:
+                            grace = time.monotonic() + 10
+                        continue
+                    try:
+                        data = os.read(key.fd, 1024 * 1024)
+                    except BlockingIOError:
+                        continue
+                    if data:
+                        key.data(data)
+                    else:
+                        selector.unregister(key.fd)
+                        open_pipes -= 1
+        finally:
+            os.close(pidfd)
+    if timed_out or not exited:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for pipe in readers:
+        pipe.close()
+    return timed_out
+
+
 def _read_status(fd: int) -> dict[str, Any]:
     """Merge the JSON documents bwrap wrote to its status pipe (``child-pid``, ``exit-code``)."""
     data = b""
@@ -721,26 +783,6 @@ def _read_status(fd: int) -> dict[str, Any]:
             if isinstance(doc, dict):
                 status.update(doc)
     return status
-
-
-def _stream_out(pipe: IO[bytes], sink: Callable[[bytes], None], errors: list[BaseException]) -> threading.Thread:
-    def _pump() -> None:
-        try:
-            while True:
-                data = pipe.read1(1024 * 1024)
-                if not data:
-                    break
-                if not errors:
-                    try:
-                        sink(data)
-                    except BaseException as exc:  # keep draining so the command can finish
-                        errors.append(exc)
-        except (OSError, ValueError):
-            pass
-
-    thread = threading.Thread(target=_pump, daemon=True, name="sandbox-export")
-    thread.start()
-    return thread
 
 
 def _feed(pipe: IO[bytes], source: IO[bytes]) -> threading.Thread:

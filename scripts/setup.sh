@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Make a fresh clone ready: system packages (as root), then .venv with the locked dependencies.
+#
+# Idempotent and quick when everything is already there. Environment:
+#   SANDBOX_VENV   where the virtualenv goes (default: .venv in the repository)
+#   PYTHON         the interpreter to build it from (default: python3)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+# bubblewrap runs the local sandboxes; /usr/bin/python3 is the Python those sandboxes see.
+missing=()
+command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
+[ -x /usr/bin/python3 ] || missing+=(python3)
+command -v prlimit >/dev/null 2>&1 || missing+=(util-linux)
+if [ "${#missing[@]}" -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    log "installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    log "please install: ${missing[*]} (e.g. sudo apt-get install ${missing[*]})"
+    exit 1
+  fi
+fi
+
+VENV="${SANDBOX_VENV:-$PWD/.venv}"
+stamp="$VENV/.lock-$(sha256sum requirements.lock pyproject.toml | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ]; then
+  exit 0
+fi
+PY="${PYTHON:-python3}"
+if ! command -v uv >/dev/null 2>&1; then
+  log "installing uv"
+  "$PY" -m pip install -q uv
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  log "creating $VENV"
+  uv venv -q -p "$PY" "$VENV"
+fi
+log "installing locked dependencies into $VENV (first run takes a few minutes)"
+uv pip install -q -p "$VENV/bin/python" -r requirements.lock
+uv pip install -q -p "$VENV/bin/python" --no-deps -e .
+rm -f "$VENV"/.lock-*
+touch "$stamp"
