@@ -5,7 +5,17 @@ from __future__ import annotations
 import threading
 from typing import IO
 
-__all__ = ["TailBuffer", "drain_into", "format_size", "tail_text"]
+__all__ = [
+    "TailBuffer",
+    "drain_into",
+    "drop_head_bytes",
+    "file_window",
+    "format_size",
+    "head_lines",
+    "mask_text",
+    "tail_lines",
+    "tail_text",
+]
 
 
 class TailBuffer:
@@ -78,3 +88,126 @@ def format_size(n: int) -> str:
             return f"{int(size)}B" if unit == "B" else f"{size:.1f}{unit}"
         size /= 1024
     return f"{size:.1f}TB"
+
+
+def mask_text(text: str) -> str:
+    """
+    Replace every secret registered with Airflow's secret masker in ``text`` with ``***``.
+
+    Mask first and cut afterwards: a cut made before masking can leave a fragment of a secret
+    that no longer matches what the masker knows.
+    """
+    if not text:
+        return text
+    from airflow.sdk.log import redact
+
+    masked = redact(text)
+    return masked if isinstance(masked, str) else str(masked)
+
+
+def _utf8_tail(text: str, max_bytes: int) -> str:
+    """The longest suffix of ``text`` whose UTF-8 encoding fits in ``max_bytes``."""
+    data = text.encode("utf-8")
+    if len(data) <= max_bytes:
+        return text
+    return data[len(data) - max_bytes :].decode("utf-8", errors="ignore")
+
+
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8"))
+
+
+def tail_lines(text: str, *, max_lines: int, max_bytes: int, already_cut: bool = False) -> str:
+    """
+    Keep the end of ``text`` under both ``max_lines`` lines and ``max_bytes`` UTF-8 bytes.
+
+    Whole lines are kept, newest last; only when the last line alone is wider than ``max_bytes``
+    is its tail kept instead. Anything dropped (or ``already_cut``, when the producer dropped
+    bytes before this saw them) is announced on a first line that says how to see more.
+
+    :param max_lines: lines kept at most (positive).
+    :param max_bytes: bytes kept at most, newlines included (positive).
+    :returns: ``text`` unchanged when it fits and nothing was cut upstream.
+    """
+    if not text:
+        return text
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+        trailing_newline = True
+    else:
+        trailing_newline = False
+    newest_first, dropped = head_lines(lines[::-1], max_lines=max_lines, max_bytes=max_bytes)
+    kept = newest_first[::-1]
+    if not kept and lines:
+        kept = [_utf8_tail(lines[-1], max_bytes)]
+        dropped = len(lines) - 1
+        partial = True
+    else:
+        partial = False
+    if not dropped and not partial and not already_cut:
+        return text
+    body = "\n".join(kept) + ("\n" if trailing_newline and kept else "")
+    if dropped or partial:
+        what = f"{dropped} earlier line(s)" if dropped else "the start of the last line"
+        if dropped and partial:
+            what += " and the start of the last one"
+        note = (
+            f"[... {what} not shown; limits are {max_lines} lines and {format_size(max_bytes)}. "
+            "Send the output to a file and read it in parts, or filter it with grep, head or tail.]"
+        )
+    else:
+        note = "[... the sandbox dropped the start of this output to keep within its limit]"
+    return f"{note}\n{body}"
+
+
+def file_window(text: str, *, offset: int = 1, limit: int | None = None, max_lines: int, max_bytes: int) -> str:
+    """
+    Render lines of ``text`` starting at line ``offset`` (1-based), at most ``limit`` of them,
+    under ``max_lines`` lines and ``max_bytes`` UTF-8 bytes.
+
+    When lines remain after the window, a last line says how many and which ``offset`` reads on.
+    An ``offset`` past the end says how many lines the file has; a first line wider than
+    ``max_bytes`` is not shown and the text says how to read part of it.
+    """
+    lines = text.splitlines()
+    total = len(lines)
+    if total == 0:
+        return "(empty file)"
+    if offset > total:
+        return f"(nothing at offset {offset}: the file has {total} line(s))"
+    wanted = min(max_lines, limit) if limit is not None else max_lines
+    start = offset - 1
+    kept, _ = head_lines(lines[start:], max_lines=wanted, max_bytes=max_bytes)
+    if not kept:
+        return (
+            f"Line {offset} is wider than the {format_size(max_bytes)} output limit. Read part of it with a shell "
+            f"command instead, e.g. sed -n '{offset}p' FILE | cut -c1-2000, or head -c."
+        )
+    body = "\n".join(kept)
+    remaining = total - start - len(kept)
+    if remaining:
+        body += f"\n[... {remaining} more line(s); read on with offset={offset + len(kept)}]"
+    return body
+
+
+def head_lines(lines: list[str], *, max_lines: int, max_bytes: int) -> tuple[list[str], int]:
+    """
+    Keep the first of ``lines`` under ``max_lines`` lines and ``max_bytes`` UTF-8 bytes (a newline
+    counted between lines); return ``(kept, number dropped)``.
+    """
+    kept: list[str] = []
+    used = 0
+    for line in lines:
+        cost = _utf8_len(line) + (1 if kept else 0)
+        if len(kept) >= max_lines or used + cost > max_bytes:
+            break
+        kept.append(line)
+        used += cost
+    return kept, len(lines) - len(kept)
+
+
+def drop_head_bytes(text: str, n: int) -> str:
+    """Drop the first ``n`` UTF-8 bytes of ``text`` (a character split at the cut is dropped too)."""
+    data = text.encode("utf-8")
+    return data[n:].decode("utf-8", errors="ignore") if len(data) > n else ""
