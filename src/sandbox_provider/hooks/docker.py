@@ -19,11 +19,13 @@ How the pieces map onto the Engine:
 - **Network**: ``block_network=True`` gives the container no interface but loopback
   (network mode ``none``). ``block_network=False`` joins the default bridge, or the network named
   in the connection. Allow lists are refused until egress enforcement exists for this backend.
-- **Commands** run through exec under coreutils ``timeout`` inside the container, so the deadline
-  is enforced where the process tree runs: ``timeout`` leads its own process group and, at the
-  deadline, signals the whole group with SIGTERM, then SIGKILL two seconds later, which also stops
-  children that ignore SIGTERM. The container stays usable. The worker waits a short grace past
-  the deadline, then stops reading in any case.
+- **Commands** run through exec under coreutils ``timeout -s KILL`` inside the container, so the
+  deadline is enforced where the process tree runs, even with the worker gone: ``timeout`` leads
+  its own process group and at the deadline sends SIGKILL to the whole group, which also stops
+  children that ignore SIGTERM or outlive their parent. (A SIGTERM first would not do: once the
+  direct child dies of it, ``timeout`` stops and leaves the rest of the group running.) Only a
+  process that moved itself to a new session escapes. The container stays usable. The worker
+  waits a short grace past the deadline, then stops reading in any case.
 - **Files** go over the Engine's archive API as tar streams built and read with :mod:`tarfile`,
   one piece at a time, so memory stays bounded whatever the file size. Paths and symbolic links
   are resolved by the Engine inside the container, as a process there would see them.
@@ -81,7 +83,7 @@ DEFAULT_PIDS_LIMIT = 512
 API_TIMEOUT = 60
 #: Capabilities kept; all others are dropped.
 KEPT_CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID")
-#: Seconds between SIGTERM and SIGKILL when a command reaches its deadline.
+#: Seconds the Engine may take past a deadline to end a killed command's stream.
 KILL_AFTER = 2.0
 #: Seconds the worker waits past a deadline for the Engine to end the command's stream.
 WAIT_GRACE = 10.0
@@ -511,8 +513,8 @@ class DockerSandboxHook(SandboxHook):
         """
         Run ``command`` with ``sh -c`` in the sandbox's working directory.
 
-        The deadline is enforced inside the container by coreutils ``timeout`` on the command's
-        whole process group (SIGTERM, then SIGKILL after 2 s). When the lifetime this hook knows of
+        The deadline is enforced inside the container by coreutils ``timeout``, which sends SIGKILL
+        to the command's whole process group. When the lifetime this hook knows of
         ends sooner, the deadline is shortened to it and reported as ``applied_timeout``.
 
         :param timeout: seconds before the command's process tree is killed.
@@ -535,7 +537,7 @@ class DockerSandboxHook(SandboxHook):
             if left < budget:
                 budget = applied = max(1.0, left)
         api = self._client().api
-        argv = ["timeout", "-k", f"{KILL_AFTER:g}", f"{budget:.3f}", "sh", "-c", command]
+        argv = ["timeout", "-s", "KILL", f"{budget:.3f}", "sh", "-c", command]
         try:
             exec_id = api.exec_create(handle, argv, stdout=True, stderr=True, stdin=False, tty=False)["Id"]
             began = time.monotonic()
@@ -617,7 +619,15 @@ class DockerSandboxHook(SandboxHook):
                 if not self._is_running(handle):
                     raise docker.errors.NotFound(f"No such container: {handle}")
                 return None
+            if res.status_code >= 500 and self._is_running(handle):
+                # A HEAD answer has no body; the Engine fails this way on a path through a file.
+                raise SandboxError(
+                    f"{path!r} cannot be looked up in the sandbox: a part of it is not a directory, or is "
+                    f"not accessible (status {res.status_code})."
+                )
             api._raise_for_status(res)
+        except SandboxError:
+            raise
         except Exception as err:
             raise self._engine_error(err, f"looking up {path!r}", handle) from err
         header = res.headers.get("x-docker-container-path-stat")

@@ -1,0 +1,504 @@
+"""
+The Docker backend against a real Docker Engine.
+
+Needs an Engine and the sandbox image (``bash scripts/docker/prepare.sh`` sets both up). Without
+an Engine the module is skipped, unless ``SANDBOX_REQUIRE_DOCKER`` is set (CI sets it), when
+it fails instead. ``SANDBOX_DOCKER_IMAGE`` names the image (default
+``airflow-sandbox-python:bookworm``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
+from sandbox_provider.sandbox.spec import (
+    EXPIRES_AT_TAG,
+    HOLDER_TAG,
+    NETWORK_TAG,
+    OWNER_TAG,
+    WORKDIR_TAG,
+    SandboxSpec,
+    decode_network_policy,
+)
+
+docker = pytest.importorskip("docker")
+
+from sandbox_provider.hooks.docker import (  # noqa: E402
+    SANDBOX_LABEL,
+    DockerSandboxBackend,
+    DockerSandboxHook,
+)
+
+pytestmark = pytest.mark.docker
+
+IMAGE = os.environ.get("SANDBOX_DOCKER_IMAGE", "airflow-sandbox-python:bookworm")
+CONN_ID = "sandbox_docker_test"
+MiB = 1024 * 1024
+
+
+def _unavailable(reason: str):
+    if os.environ.get("SANDBOX_REQUIRE_DOCKER"):
+        pytest.fail(f"SANDBOX_REQUIRE_DOCKER is set but {reason}. Run: bash scripts/docker/prepare.sh")
+    pytest.skip(f"{reason}; run bash scripts/docker/prepare.sh to test the Docker backend")
+
+
+@pytest.fixture(scope="module")
+def docker_client():
+    """A raw SDK client to the Engine under test, for checks from outside the hook."""
+    try:
+        client = docker.from_env(version="auto", timeout=10)
+        client.ping()
+    except Exception as err:
+        _unavailable(f"no Docker Engine is reachable ({err})")
+    try:
+        client.images.get(IMAGE)
+    except docker.errors.ImageNotFound:
+        _unavailable(f"the Engine has no image {IMAGE!r}")
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def docker_conn(docker_client):
+    """An Airflow connection of type sandbox_docker for the local Engine and the test image."""
+    value = json.dumps(
+        {
+            "conn_type": "sandbox_docker",
+            "extra": {"image": IMAGE, "cpus": 1, "memory_bytes": 512 * MiB, "pids_limit": 256},
+        }
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(f"AIRFLOW_CONN_{CONN_ID.upper()}", value)
+        yield CONN_ID
+
+
+@pytest.fixture(scope="module")
+def docker_hook(docker_conn):
+    return DockerSandboxHook(docker_conn, pull="never")
+
+
+@pytest.fixture
+def docker_sandbox(docker_hook):
+    """A fresh sandbox for one test, destroyed afterwards."""
+    handle = docker_hook.create(spec=SandboxSpec(env={"GREETING": "hello"}))
+    yield handle
+    docker_hook.destroy(handle)
+
+
+@pytest.fixture(scope="module")
+def docker_shared(docker_hook):
+    """One sandbox shared by the file tests of this module, which do not interfere."""
+    handle = docker_hook.create(spec=SandboxSpec())
+    yield handle
+    docker_hook.destroy(handle)
+
+
+def sh(hook, handle, command, timeout=30, cap=64 * 1024):
+    return hook.run_command(handle, command, timeout=timeout, max_output_bytes=cap)
+
+
+# -- construction and connection ------------------------------------------------------------------------
+
+
+def test_constructor_touches_nothing_and_checks_arguments():
+    hook = DockerSandboxHook("no_such_connection_anywhere", image="x:y", sandbox_timeout=5)
+    assert hook._client_obj is None and hook._settings_obj is None
+    assert DockerSandboxBackend is DockerSandboxHook
+    assert (hook.name, hook.conn_type, hook.default_conn_name, hook.attachable) == (
+        "docker",
+        "sandbox_docker",
+        "sandbox_docker_default",
+        True,
+    )
+    for kwargs in ({"cpus": 0}, {"memory_bytes": -1}, {"pids_limit": True}, {"sandbox_timeout": float("inf")}):
+        with pytest.raises(ValueError, match=next(iter(kwargs))):
+            DockerSandboxHook(**kwargs)
+    with pytest.raises(ValueError, match="pull must be one of"):
+        DockerSandboxHook(pull="sometimes")
+
+
+def test_unreachable_daemon_is_terminal_and_names_the_connection(add_connection):
+    conn = add_connection("sandbox_docker_nowhere", "sandbox_docker", host="unix:///nonexistent/docker.sock")
+    hook = DockerSandboxHook(conn)
+    with pytest.raises(SandboxTerminalError, match="sandbox_docker_nowhere") as info:
+        hook.create(spec=SandboxSpec())
+    assert "unix:///nonexistent/docker.sock" in str(info.value)
+    ok, message = hook.test_connection()
+    assert not ok and "sandbox_docker_nowhere" in message
+
+
+def test_missing_named_connection_is_terminal():
+    with pytest.raises(SandboxTerminalError, match="'sandbox_docker_undefined' does not exist"):
+        DockerSandboxHook("sandbox_docker_undefined").create()
+
+
+def test_missing_image_is_terminal_and_names_the_connection(docker_conn):
+    never = DockerSandboxHook(docker_conn, image="airflow-sandbox-missing:nope", pull="never")
+    with pytest.raises(SandboxTerminalError, match=CONN_ID) as info:
+        never.create()
+    assert "airflow-sandbox-missing:nope" in str(info.value)
+    # The default policy tries a pull, which no registry can answer here: still terminal and clear.
+    pulling = DockerSandboxHook(docker_conn, image="airflow-sandbox-missing:nope")
+    with pytest.raises(SandboxTerminalError, match="could not be pulled") as info:
+        pulling.create()
+    assert CONN_ID in str(info.value)
+
+
+def test_connection_test_reports_the_engine_version(docker_hook):
+    ok, message = docker_hook.test_connection()
+    assert ok, message
+    assert "Docker Engine" in message and "API" in message and IMAGE in message
+
+
+# -- provisioning ---------------------------------------------------------------------------------------
+
+
+def test_container_is_hardened_labelled_and_limited(docker_hook, docker_sandbox, docker_client):
+    assert docker_sandbox.startswith("airflow-sandbox-") and len(docker_sandbox) == len("airflow-sandbox-") + 12
+    info = docker_client.api.inspect_container(docker_sandbox)
+    host = info["HostConfig"]
+    assert info["Config"]["Labels"][SANDBOX_LABEL] == docker_sandbox
+    assert host["Privileged"] is False
+    assert host["CapDrop"] == ["ALL"]
+    assert set(host["CapAdd"]) <= {"CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID"}
+    assert any(opt.startswith("no-new-privileges") for opt in host["SecurityOpt"])
+    assert host["NanoCpus"] == 10**9
+    assert host["Memory"] == 512 * MiB and host["MemorySwap"] == 512 * MiB
+    assert host["PidsLimit"] == 256
+    assert host["NetworkMode"] == "none"
+    assert host["AutoRemove"] is True and host["Init"] is True
+    assert not info["Mounts"] and not host.get("Binds")
+    assert info["Config"]["WorkingDir"] == "/workspace"
+    # Inside: the workdir exists, no Docker socket, and the capability set is the reduced one.
+    result = sh(docker_hook, docker_sandbox, "pwd; test -e /var/run/docker.sock && echo SOCKET; grep CapEff /proc/self/status")
+    assert result.ok, result
+    lines = result.stdout.split("\n")
+    assert lines[0] == "/workspace" and "SOCKET" not in result.stdout
+    assert int(lines[1].split()[1], 16) == sum(1 << bit for bit in (0, 1, 3, 4, 5, 6, 7))
+
+
+def test_worker_environment_is_invisible(docker_hook, docker_sandbox, monkeypatch):
+    monkeypatch.setenv("SANDBOX_WORKER_SECRET", "do-not-leak")
+    result = sh(docker_hook, docker_sandbox, "env")
+    assert result.ok
+    assert "GREETING=hello" in result.stdout
+    assert "do-not-leak" not in result.stdout and "AIRFLOW" not in result.stdout
+
+
+def test_blocked_network_has_only_loopback(docker_hook, docker_sandbox):
+    """
+    A server the test starts on the host is unreachable, and the only interface is loopback.
+
+    The server listens on the host's loopback: traffic here may go only to loopback addresses, so
+    the check that nothing else is reachable is the interface list itself, plus DNS failing.
+    """
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    try:
+        probe = textwrap.dedent(
+            f"""
+            import os, socket
+            print(sorted(os.listdir('/sys/class/net')))
+            s = socket.socket(); s.settimeout(3)
+            try:
+                s.connect(('127.0.0.1', {port})); print('connected')
+            except OSError as e:
+                print('refused', type(e).__name__)
+            try:
+                socket.getaddrinfo('deb.debian.org', 80); print('resolved')
+            except OSError:
+                print('no dns')
+            """
+        )
+        docker_hook.write_file(docker_sandbox, "probe.py", probe.encode())
+        result = sh(docker_hook, docker_sandbox, "python3 probe.py")
+        assert result.ok, result
+        assert result.stdout.splitlines() == ["['lo']", "refused ConnectionRefusedError", "no dns"]
+        with socket.create_connection(("127.0.0.1", port), timeout=3):
+            pass  # the server was there all along, for the host
+    finally:
+        server.close()
+
+
+def test_open_network_joins_the_bridge(docker_hook, docker_client):
+    handle = docker_hook.create(spec=SandboxSpec(block_network=False))
+    try:
+        assert docker_client.api.inspect_container(handle)["HostConfig"]["NetworkMode"] == "bridge"
+        result = sh(docker_hook, handle, "ls /sys/class/net")
+        assert set(result.stdout.split()) >= {"eth0", "lo"}
+        tags = docker_hook.read_tags(handle)
+        assert decode_network_policy(tags[NETWORK_TAG]).block_network is False
+    finally:
+        docker_hook.destroy(handle)
+
+
+def test_allow_lists_are_refused_with_advice(docker_hook, docker_client):
+    before = {c.name for c in docker_client.containers.list(all=True)}
+    for spec in (SandboxSpec(allow_egress_to=["pypi.org"]), SandboxSpec(allow_egress_to_cidrs=["10.0.0.0/8"])):
+        with pytest.raises(SandboxTerminalError, match="block_network=False"):
+            docker_hook.create(spec=spec)
+    assert {c.name for c in docker_client.containers.list(all=True)} == before
+
+
+# -- commands -------------------------------------------------------------------------------------------
+
+
+def test_exit_status_and_streams(docker_hook, docker_sandbox):
+    result = sh(docker_hook, docker_sandbox, "echo out; echo err >&2; exit 3")
+    assert (result.exit_code, result.stdout, result.stderr) == (3, "out\n", "err\n")
+    assert not result.ok and not result.timed_out and not result.sandbox_terminated
+
+
+def test_timeout_kills_the_tree_and_keeps_the_sandbox(docker_hook, docker_sandbox):
+    command = "sh -c 'trap \"\" TERM; echo $$ > /tmp/child.pid; sleep 300' & echo started; wait"
+    began = time.monotonic()
+    result = sh(docker_hook, docker_sandbox, command, timeout=1.5)
+    assert result.timed_out, result
+    assert time.monotonic() - began < 15
+    assert result.stdout == "started\n"
+    after = sh(docker_hook, docker_sandbox, "kill -0 $(cat /tmp/child.pid) 2>/dev/null && echo alive; ps -eo comm=")
+    assert after.ok and "alive" not in after.stdout, after
+    assert after.stdout.split().count("sleep") == 1, after.stdout  # only the sandbox's own idle process
+    assert sh(docker_hook, docker_sandbox, "echo still here").stdout == "still here\n"
+
+
+def test_output_flood_stays_bounded(docker_hook, docker_sandbox):
+    command = "head -c 30000000 /dev/zero | tr '\\0' a; echo; echo END; head -c 5000000 /dev/zero | tr '\\0' e >&2"
+    result = sh(docker_hook, docker_sandbox, command, timeout=60, cap=1000)
+    assert result.ok, result.stderr[-200:]
+    assert len(result.stdout) == 1000 and result.stdout.endswith("\nEND\n") and result.stdout_truncated
+    assert len(result.stderr) == 1000 and set(result.stderr) == {"e"} and result.stderr_truncated
+
+
+def test_command_deadline_is_clamped_to_the_lifetime(docker_conn):
+    hook = DockerSandboxHook(docker_conn, sandbox_timeout=4, pull="never")
+    handle = hook.create()
+    try:
+        result = sh(hook, handle, "sleep 60", timeout=120)
+        assert result.applied_timeout is not None and result.applied_timeout <= 4
+        assert result.timed_out or result.sandbox_terminated
+        time.sleep(2)
+        with pytest.raises(SandboxTerminalError):
+            sh(hook, handle, "true")
+    finally:
+        hook.destroy(handle)
+
+
+# -- files ----------------------------------------------------------------------------------------------
+
+
+def test_write_and_read_round_trip(docker_hook, docker_shared):
+    data = bytes(range(256)) * 3
+    docker_hook.write_file(docker_shared, "deep/er/data.bin", data)
+    assert docker_hook.read_file(docker_shared, "deep/er/data.bin", max_bytes=len(data)) == data
+    assert docker_hook.read_file(docker_shared, "/workspace/deep/er/data.bin", max_bytes=10_000) == data
+    assert docker_hook.list_directory(docker_shared, "deep") == [("er", True)]
+    docker_hook.write_file(docker_shared, "deep/er/data.bin", b"short")
+    assert docker_hook.read_file(docker_shared, "deep/er/data.bin", max_bytes=100) == b"short"
+    result = sh(docker_hook, docker_shared, "stat -c '%s %a' deep/er/data.bin")
+    assert result.stdout.strip() == "5 644"
+
+
+def test_write_keeps_mode_and_follows_symlinks(docker_hook, docker_shared):
+    sh(docker_hook, docker_shared, "mkdir -p ln && printf old > ln/target && chmod 755 ln/target && ln -sf target ln/link")
+    assert docker_hook.read_file(docker_shared, "ln/link", max_bytes=100) == b"old"
+    docker_hook.write_file(docker_shared, "ln/link", b"new")
+    result = sh(docker_hook, docker_shared, "cat ln/target; echo; stat -c '%F %a' ln/link ln/target")
+    assert result.stdout.splitlines() == ["new", "symbolic link 777", "regular file 755"]
+
+
+def test_file_errors(docker_hook, docker_shared):
+    sh(docker_hook, docker_shared, "mkdir -p errs && printf 0123456789 > errs/ten && ln -sf /nowhere errs/dangling")
+    with pytest.raises(SandboxError, match="does not exist"):
+        docker_hook.read_file(docker_shared, "errs/missing", max_bytes=10)
+    with pytest.raises(SandboxError, match="directory"):
+        docker_hook.read_file(docker_shared, "errs", max_bytes=10)
+    with pytest.raises(SandboxError, match="not a regular file"):
+        docker_hook.read_file(docker_shared, "/dev/zero", max_bytes=10)
+    with pytest.raises(SandboxError, match="does not exist"):
+        docker_hook.read_file(docker_shared, "errs/dangling", max_bytes=10)
+    with pytest.raises(SandboxFileTooLargeError) as info:
+        docker_hook.read_file(docker_shared, "errs/ten", max_bytes=9)
+    assert (info.value.size_bytes, info.value.max_bytes) == (10, 9)
+    with pytest.raises(SandboxError, match="is a directory"):
+        docker_hook.write_file(docker_shared, "errs", b"x")
+    with pytest.raises(SandboxError, match="not a directory"):
+        docker_hook.write_file(docker_shared, "errs/ten/below", b"x")
+    with pytest.raises(SandboxError):
+        docker_hook.list_directory(docker_shared, "errs/missing")
+
+
+def test_read_cap_is_checked_before_any_transfer(docker_hook, docker_shared):
+    sh(docker_hook, docker_shared, "truncate -s 4G sparse.bin")
+    began = time.monotonic()
+    with pytest.raises(SandboxFileTooLargeError) as info:
+        docker_hook.read_file(docker_shared, "sparse.bin", max_bytes=1024)
+    assert info.value.size_bytes == 4 * 1024**3
+    assert time.monotonic() - began < 5  # 4 GiB never moved
+    with pytest.raises(SandboxFileTooLargeError):
+        docker_hook.export_file(docker_shared, "sparse.bin", io.BytesIO(), max_bytes=1024)
+    sh(docker_hook, docker_shared, "rm sparse.bin")
+
+
+class _Unseekable(io.RawIOBase):
+    """A source that cannot tell its size, as an object-storage stream may not."""
+
+    def __init__(self, total: int) -> None:
+        self.left = total
+        self.digest = hashlib.sha256()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        n = min(len(buffer), self.left, 65536)
+        piece = bytes((self.left + i) % 251 for i in range(n)) if n < 256 else os.urandom(n)
+        buffer[:n] = piece
+        self.left -= n
+        self.digest.update(piece)
+        return n
+
+
+def test_import_and_export_stream(docker_hook, docker_shared):
+    source = _Unseekable(20 * MiB + 123)
+    assert docker_hook.import_file(docker_shared, "big/in.bin", source) == 20 * MiB + 123
+    sink = io.BytesIO()
+    assert docker_hook.export_file(docker_shared, "big/in.bin", sink, max_bytes=64 * MiB) == 20 * MiB + 123
+    assert hashlib.sha256(sink.getvalue()).hexdigest() == source.digest.hexdigest()
+    check = sh(docker_hook, docker_shared, "sha256sum big/in.bin")
+    assert check.stdout.split()[0] == source.digest.hexdigest()
+    seekable = io.BytesIO(b"abc" * 1000)
+    seekable.seek(1000)
+    assert docker_hook.import_file(docker_shared, "big/tail.bin", seekable) == 2000
+
+
+# -- attach, stamps, leftovers ----------------------------------------------------------------------------
+
+
+def test_stamps_attach_and_release(docker_conn):
+    creator = DockerSandboxHook(docker_conn, pull="never")
+    handle = creator.create(spec=SandboxSpec(owner="dag_a/run_1", env={"X": "1"}))
+    try:
+        other = DockerSandboxHook(docker_conn)  # another task's hook: nothing cached
+        tags = other.read_tags(handle)
+        assert tags[OWNER_TAG] == "dag_a/run_1" and tags[WORKDIR_TAG] == "/workspace"
+        assert abs(float(tags[EXPIRES_AT_TAG]) - (time.time() + 3600)) < 30
+        assert decode_network_policy(tags[NETWORK_TAG]).block_network is True
+        assert HOLDER_TAG not in tags
+        with pytest.raises(SandboxTerminalError, match="not owned by 'dag_b/run_1'"):
+            other.attach(handle, owner="dag_b/run_1", holder="dag_b/run_1/t")
+        attached = other.attach(handle, owner="dag_a/run_1", holder="dag_a/run_1/t1")
+        assert attached.workdir == "/workspace" and 3500 < attached.remaining_lifetime <= 3600
+        assert attached.network is not None and attached.network.block_network
+        assert other.attach(handle, owner="dag_a/run_1", holder="dag_a/run_1/t1").handle == handle  # a retry
+        with pytest.raises(SandboxTerminalError, match="held by 'dag_a/run_1/t1'"):
+            DockerSandboxHook(docker_conn).attach(handle, owner="dag_a/run_1", holder="dag_a/run_1/t2")
+        other.release(handle, holder="dag_a/run_1/t2")  # not ours: leaves the claim alone
+        assert creator.read_tags(handle)[HOLDER_TAG] == "dag_a/run_1/t1"
+        other.release(handle, holder="dag_a/run_1/t1")
+        other.release(handle, holder="dag_a/run_1/t1")
+        assert HOLDER_TAG not in creator.read_tags(handle)
+        assert other.attach(handle, owner="dag_a/run_1", holder="dag_a/run_1/t2").handle == handle
+        with pytest.raises(SandboxTerminalError, match="fixed when the sandbox is provisioned"):
+            other.write_tags(handle, {**other.read_tags(handle), OWNER_TAG: "someone/else"})
+    finally:
+        creator.destroy(handle)
+    with pytest.raises(SandboxTerminalError):
+        creator.read_tags(handle)
+
+
+def test_destroy_twice_and_use_after_destroy(docker_hook, docker_client):
+    handle = docker_hook.create()
+    docker_hook.destroy(handle)
+    docker_hook.destroy(handle)
+    with pytest.raises(docker.errors.NotFound):
+        docker_client.api.inspect_container(handle)
+    with pytest.raises(SandboxTerminalError, match="does not exist|not running"):
+        sh(docker_hook, handle, "true")
+    with pytest.raises(SandboxTerminalError):
+        docker_hook.read_file(handle, "x", max_bytes=1)
+    with pytest.raises(SandboxTerminalError):
+        docker_hook.write_file(handle, "x", b"1")
+    with pytest.raises(ValueError, match="not a Docker sandbox handle"):
+        docker_hook.destroy("some-other-container")
+
+
+def test_list_and_remove_leftovers(docker_hook):
+    kept = docker_hook.create(spec=SandboxSpec(owner="dag_list/run_1"))
+    other = docker_hook.create(spec=SandboxSpec(owner="dag_other/run_1"))
+    try:
+        by_owner = docker_hook.list_sandboxes(owner="dag_list/run_1")
+        assert [info.handle for info in by_owner] == [kept]
+        assert by_owner[0].status == "running" and not by_owner[0].expired()
+        assert [info.handle for info in docker_hook.list_sandboxes(dag_id="dag_list")] == [kept]
+        assert {kept, other} <= {info.handle for info in docker_hook.list_sandboxes()}
+        assert docker_hook.remove_expired(dag_id="dag_list") == []
+        removed = docker_hook.remove_expired(owner="dag_list/run_1", now=time.time() + 7200)
+        assert removed == [kept]
+        assert docker_hook.list_sandboxes(owner="dag_list/run_1") == []
+        assert [info.handle for info in docker_hook.list_sandboxes(owner="dag_other/run_1")] == [other]
+    finally:
+        docker_hook.destroy(kept)
+        docker_hook.destroy(other)
+
+
+_CREATOR = """
+import sys, time
+from sandbox_provider.hooks.docker import DockerSandboxHook
+from sandbox_provider.sandbox.spec import SandboxSpec
+handle = DockerSandboxHook(sys.argv[1], sandbox_timeout=float(sys.argv[2]), pull="never").create(
+    spec=SandboxSpec(owner="dag_killed/run_1"))
+print("HANDLE=" + handle, flush=True)
+time.sleep(3600)
+"""
+
+
+def test_lifetime_removes_the_sandbox_of_a_killed_creator(docker_conn, docker_client):
+    lifetime = 6
+    creator = subprocess.Popen(
+        [sys.executable, "-c", _CREATOR, docker_conn, str(lifetime)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ.copy(),
+    )
+    try:
+        seen = []
+        for line in creator.stdout:  # Airflow may log to stdout first
+            seen.append(line)
+            if line.startswith("HANDLE="):
+                break
+        handle = seen[-1].strip().removeprefix("HANDLE=") if seen else ""
+        assert handle.startswith("airflow-sandbox-"), "".join(seen)
+        created = time.time()
+        creator.send_signal(signal.SIGKILL)
+        creator.wait(10)
+        assert docker_client.api.inspect_container(handle)["State"]["Running"]
+        deadline = created + lifetime + 20
+        while time.time() < deadline:
+            try:
+                docker_client.api.inspect_container(handle)
+            except docker.errors.NotFound:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"{handle} was still on the Engine {lifetime + 20}s after its creator was killed")
+        assert time.time() - created >= lifetime - 1
+    finally:
+        if creator.poll() is None:
+            creator.kill()
+        for container in docker_client.containers.list(all=True, filters={"label": f"{OWNER_TAG}=dag_killed/run_1"}):
+            container.remove(force=True)
