@@ -1,0 +1,169 @@
+"""
+Benchmarks for the Docker sandbox backend, run by hand against a real Engine:
+
+    bash scripts/docker/prepare.sh
+    .venv/bin/python benchmarks/bench_docker.py [--rounds 20] [--export-mib 1024]
+
+1. Lifecycle: ``create`` + ``run_command("true")`` + ``destroy`` through the hook, against the same
+   raw ``docker`` SDK calls (create and start a container with the same settings, exec, remove),
+   rounds interleaved. Goal: the hook's median within 10% of the raw median.
+2. Export: ``export_file`` of a file of ``--export-mib`` MiB to a local file, against ``docker cp``
+   of the same file. Goal: at least half of ``docker cp``'s throughput, and the worker's peak
+   memory (max RSS) growing by at most 64 MiB for 1 GiB.
+
+Prints one JSON object with the figures and whether each goal was met. Exits 0 either way: it
+reports, it does not judge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+IMAGE = os.environ.get("SANDBOX_DOCKER_IMAGE", "airflow-sandbox-python:bookworm")
+CONN_ID = "sandbox_docker_bench"
+os.environ.setdefault(f"AIRFLOW_CONN_{CONN_ID.upper()}", json.dumps({"conn_type": "sandbox_docker", "extra": {"image": IMAGE}}))
+os.environ.setdefault("AIRFLOW__CORE__UNIT_TEST_MODE", "True")
+
+
+def _max_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def raw_lifecycle(client, index: int) -> float:
+    """The same Engine calls the hook makes, straight through the SDK, with the same settings."""
+    api = client.api
+    began = time.perf_counter()
+    host_config = api.create_host_config(
+        init=True,
+        auto_remove=True,
+        network_mode="none",
+        cap_drop=["ALL"],
+        cap_add=["CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID"],
+        security_opt=["no-new-privileges"],
+        nano_cpus=10**9,
+        mem_limit=1024**3,
+        memswap_limit=1024**3,
+        pids_limit=512,
+    )
+    container = api.create_container(
+        IMAGE,
+        name=f"bench-raw-{os.getpid()}-{index}",
+        entrypoint=["sleep", "3600"],
+        command=[],
+        working_dir="/workspace",
+        labels={"bench": "raw"},
+        host_config=host_config,
+    )["Id"]
+    api.start(container)
+    exec_id = api.exec_create(container, ["true"], stdout=True, stderr=True)["Id"]
+    for _ in api.exec_start(exec_id, stream=True, demux=True):
+        pass
+    assert api.exec_inspect(exec_id)["ExitCode"] == 0
+    api.remove_container(container, force=True)
+    return time.perf_counter() - began
+
+
+def hook_lifecycle(hook) -> float:
+    began = time.perf_counter()
+    handle = hook.create()
+    result = hook.run_command(handle, "true", timeout=60, max_output_bytes=4096)
+    assert result.ok, result
+    hook.destroy(handle)
+    return time.perf_counter() - began
+
+
+def bench_lifecycle(hook, client, rounds: int) -> dict:
+    hook_lifecycle(hook)  # warm the connection and the client
+    raw_lifecycle(client, -1)
+    hook_times, raw_times = [], []
+    for index in range(rounds):
+        if index % 2:
+            raw_times.append(raw_lifecycle(client, index))
+            hook_times.append(hook_lifecycle(hook))
+        else:
+            hook_times.append(hook_lifecycle(hook))
+            raw_times.append(raw_lifecycle(client, index))
+    hook_median, raw_median = statistics.median(hook_times), statistics.median(raw_times)
+    overhead = hook_median / raw_median - 1
+    return {
+        "rounds": rounds,
+        "hook_median_s": round(hook_median, 4),
+        "raw_sdk_median_s": round(raw_median, 4),
+        "overhead_pct": round(overhead * 100, 1),
+        "goal_within_10pct": overhead <= 0.10,
+    }
+
+
+def bench_export(hook, mib: int) -> dict:
+    handle = hook.create()
+    workdir = tempfile.mkdtemp(prefix="bench-docker-", dir="/var/tmp")
+    try:
+        made = hook.run_command(
+            handle, f"head -c {mib}M /dev/urandom > big.bin && sync", timeout=600, max_output_bytes=4096
+        )
+        assert made.ok, made
+        size = mib * 1024 * 1024
+        cp_target = os.path.join(workdir, "cp.bin")
+        began = time.perf_counter()
+        subprocess.run(["docker", "cp", f"{handle}:/workspace/big.bin", cp_target], check=True)
+        cp_seconds = time.perf_counter() - began
+        os.unlink(cp_target)
+        rss_before = _max_rss_bytes()
+        target = os.path.join(workdir, "export.bin")
+        began = time.perf_counter()
+        with open(target, "wb") as stream:
+            copied = hook.export_file(handle, "big.bin", stream, max_bytes=size)
+        export_seconds = time.perf_counter() - began
+        rss_growth = _max_rss_bytes() - rss_before
+        assert copied == size == os.path.getsize(target)
+        export_rate, cp_rate = size / export_seconds / 2**20, size / cp_seconds / 2**20
+        return {
+            "size_mib": mib,
+            "export_s": round(export_seconds, 2),
+            "export_mib_per_s": round(export_rate, 1),
+            "docker_cp_s": round(cp_seconds, 2),
+            "docker_cp_mib_per_s": round(cp_rate, 1),
+            "ratio_to_docker_cp": round(export_rate / cp_rate, 2),
+            "goal_half_of_docker_cp": export_rate >= cp_rate / 2,
+            "peak_rss_growth_mib": round(rss_growth / 2**20, 1),
+            "goal_rss_growth_le_64mib": rss_growth <= 64 * 2**20,
+        }
+    finally:
+        hook.destroy(handle)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--export-mib", type=int, default=1024)
+    parser.add_argument("--skip-export", action="store_true")
+    args = parser.parse_args()
+
+    import docker
+
+    from sandbox_provider.hooks.docker import DockerSandboxHook
+
+    client = docker.from_env(version="auto")
+    hook = DockerSandboxHook(CONN_ID, pull="never")
+    report = {"engine": client.version().get("Version"), "image": IMAGE}
+    # Export first, so the RSS figure is not lifted by anything the lifecycle rounds allocated.
+    if not args.skip_export:
+        report["export"] = bench_export(hook, args.export_mib)
+    report["lifecycle"] = bench_lifecycle(hook, client, args.rounds)
+    json.dump(report, sys.stdout, indent=2)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
