@@ -188,7 +188,9 @@ class FakeSandbox:
         with open(remote_path, "wb") as handle:
             handle.write(data)
 
-    def exec(self, *args: str, timeout: int | None = None, workdir: str | None = None, text: bool = True, **kw):
+    def exec(
+        self, *args: str, timeout: int | None = None, workdir: str | None = None, text: bool = True, **kw
+    ):
         self.calls.append(("exec", args, {"timeout": timeout, "workdir": workdir, "text": text, **kw}))
         if self.exec_errors:
             raise self.exec_errors.popleft()
@@ -198,7 +200,7 @@ class FakeSandbox:
                 raise item
             return item
         if self.run_on_host:
-            done = subprocess.run(list(args), cwd=workdir, capture_output=True, timeout=60)
+            done = subprocess.run(list(args), cwd=workdir, capture_output=True, timeout=60, check=False)
             # Split into pieces, as Modal streams output in chunks.
             out = [done.stdout[i : i + 7000] for i in range(0, len(done.stdout), 7000)]
             return FakeProcess(done.returncode, out, done.stderr)

@@ -123,7 +123,9 @@ class TestConstruction:
         hook = ModalSandboxHook(image="python:3.13-slim")
         from airflow.exceptions import AirflowOptionalProviderFeatureException
 
-        with pytest.raises(AirflowOptionalProviderFeatureException, match=r"airflow-provider-sandbox\[modal\]"):
+        with pytest.raises(
+            AirflowOptionalProviderFeatureException, match=r"airflow-provider-sandbox\[modal\]"
+        ):
             hook.create(spec=SandboxSpec())
 
     def test_accepts_a_modal_image(self, fake):
@@ -186,7 +188,10 @@ class TestCreate:
         sandbox = fake.Sandbox.by_id[handle]
         kwargs = sandbox.create_kwargs
         assert handle.startswith("sb-")
-        assert kwargs["name"].startswith("airflow-sandbox-") and len(kwargs["name"]) == len("airflow-sandbox-") + 12
+        assert (
+            kwargs["name"].startswith("airflow-sandbox-")
+            and len(kwargs["name"]) == len("airflow-sandbox-") + 12
+        )
         assert kwargs["timeout"] == 1800
         assert kwargs["workdir"] == str(tmp_path / "workspace")
         assert kwargs["env"] == {"MODE": "test"}
@@ -242,7 +247,8 @@ class TestCreate:
         assert "block_network" not in kwargs
 
     @pytest.mark.parametrize(
-        "host", ["https://pypi.org", "pypi.org:443", "pypi.org/simple", "localhost", "*.com", "*", "1.2.3.4", "a..b"]
+        "host",
+        ["https://pypi.org", "pypi.org:443", "pypi.org/simple", "localhost", "*.com", "*", "1.2.3.4", "a..b"],
     )
     def test_bad_hostnames_refused(self, make_hook, fake, host):
         with pytest.raises(SandboxTerminalError, match="not a hostname"):
@@ -311,7 +317,10 @@ class TestCredentials:
         handle = make_hook(modal_conn_id="team_modal").create(spec=SandboxSpec())
         client = fake.Sandbox.by_id[handle].create_kwargs["client"]
         assert client.credentials == ("ak-abc", "as-def")
-        assert fake.App.registry["airflow-sandbox"].lookups[0] == {"client": client, "environment_name": "dev"}
+        assert fake.App.registry["airflow-sandbox"].lookups[0] == {
+            "client": client,
+            "environment_name": "dev",
+        }
 
     def test_no_connection_uses_worker_config(self, make_hook, fake):
         handle = make_hook(modal_conn_id=None).create(spec=SandboxSpec())
@@ -335,7 +344,9 @@ class TestCredentials:
     def test_rejected_credentials_name_the_connection(self, make_hook, fake, add_connection):
         add_connection("team_modal", "modal", login="ak-abc", password="as-wrong")
         fake.Sandbox.create_errors.append(fake.exception.AuthError("token rejected"))
-        with pytest.raises(SandboxTerminalError, match="rejected the credentials from Airflow connection 'team_modal'"):
+        with pytest.raises(
+            SandboxTerminalError, match="rejected the credentials from Airflow connection 'team_modal'"
+        ):
             make_hook(modal_conn_id="team_modal").create(spec=SandboxSpec())
 
     def test_rejected_worker_credentials(self, make_hook, fake):
@@ -355,7 +366,9 @@ class TestCredentials:
 
 class TestRetries:
     def test_transient_create_error_is_retried(self, make_hook, fake, clock):
-        fake.Sandbox.create_errors.extend([fake.exception.ConnectionError("reset"), fake.exception.InternalError("x")])
+        fake.Sandbox.create_errors.extend(
+            [fake.exception.ConnectionError("reset"), fake.exception.InternalError("x")]
+        )
         handle = make_hook().create(spec=SandboxSpec())
         assert len(fake.Sandbox.create_calls) == 3
         assert handle in fake.Sandbox.by_id
@@ -404,7 +417,7 @@ class TestRunCommand:
         sandbox = fake.Sandbox.by_id[handle]
         sandbox.processes.append(fake_modal.FakeProcess(3, [b"part", b"ial\n"], b"oops\n"))
         result = hook.run_command(handle, "echo partial; exit 3", timeout=2.2, max_output_bytes=1000)
-        name, args, kwargs = [c for c in sandbox.calls if c[0] == "exec"][0]
+        _name, args, kwargs = next(c for c in sandbox.calls if c[0] == "exec")
         assert args == ("sh", "-c", "echo partial; exit 3")
         assert kwargs == {"timeout": 3, "workdir": str(tmp_path / "workspace"), "text": False}
         assert (result.exit_code, result.stdout, result.stderr) == (3, "partial\n", "oops\n")
@@ -490,7 +503,9 @@ class TestRunCommand:
         handle = hook.create(spec=SandboxSpec())
         sandbox = fake.Sandbox.by_id[handle]
         sandbox.processes.append(
-            fake_modal.FakeProcess(0, [b"started\n"], wait_error=fake.exception.SandboxTerminatedError("gone"))
+            fake_modal.FakeProcess(
+                0, [b"started\n"], wait_error=fake.exception.SandboxTerminatedError("gone")
+            )
         )
         result = hook.run_command(handle, "work", timeout=10, max_output_bytes=100)
         assert result.sandbox_terminated and result.stdout == "started\n" and not result.ok
@@ -536,7 +551,9 @@ class TestRunCommand:
         with pytest.raises(SandboxTerminalError, match="'sb-missing' is gone"):
             make_hook().run_command("sb-missing", "true", timeout=1, max_output_bytes=1)
 
-    @pytest.mark.parametrize("kwargs", [{"timeout": 0, "max_output_bytes": 1}, {"timeout": 1, "max_output_bytes": 0}])
+    @pytest.mark.parametrize(
+        "kwargs", [{"timeout": 0, "max_output_bytes": 1}, {"timeout": 1, "max_output_bytes": 0}]
+    )
     def test_bad_limits(self, make_hook, kwargs):
         with pytest.raises(ValueError):
             make_hook().run_command("sb-x", "true", **kwargs)
@@ -570,15 +587,13 @@ class TestFiles:
         handle = hook.create(spec=SandboxSpec())
         sandbox = fake.Sandbox.by_id[handle]
         chunks = [b"y" * 64 for _ in range(100)]
-        sandbox.processes.append(fake_modal.FakeProcess(0, chunks, b"sandbox-size:10\n"))
+        process = fake_modal.FakeProcess(0, chunks, b"sandbox-size:10\n")
+        sandbox.processes.append(process)
         with pytest.raises(SandboxFileTooLargeError):
             hook.read_file(handle, "growing.log", max_bytes=100)
         script = [c for c in sandbox.calls if c[0] == "exec"][0][1][2]
-        assert "head -c 101 " in script
-        process = sandbox.processes  # consumed
-        assert not process
-        # Two chunks exceed 100 bytes; nothing after them was read.
-        assert sandbox.calls[-1][0] == "exec"
+        assert "head -c 101 " in script  # the guest sends at most the cap plus one byte
+        assert process.stdout.chunks_read == 2  # 128 bytes seen, nothing read after the cap was passed
 
     @pytest.mark.parametrize(
         ("setup", "match"),
@@ -665,7 +680,9 @@ class TestFiles:
     def test_filesystem_errors_are_recoverable(self, make_hook, fake):
         hook = make_hook()
         handle = hook.create(spec=SandboxSpec())
-        fake.Sandbox.by_id[handle].fs_errors["write_bytes"] = fake.exception.SandboxFilesystemPermissionError("ro")
+        fake.Sandbox.by_id[handle].fs_errors["write_bytes"] = fake.exception.SandboxFilesystemPermissionError(
+            "ro"
+        )
         with pytest.raises(SandboxError, match="ro") as info:
             hook.write_file(handle, "/etc/x", b"1")
         assert not isinstance(info.value, SandboxTerminalError)
@@ -794,7 +811,9 @@ def test_example_dags_parse_without_modal_or_a_connection(monkeypatch):
     monkeypatch.setitem(sys.modules, "modal", None)  # "import modal" would fail
     monkeypatch.setattr(BaseHook, "get_connection", classmethod(no_lookup))
     monkeypatch.setattr(ModalSandboxHook, "get_conn", no_modal)
-    path = os.path.join(os.path.dirname(modal_module.__file__), "..", "example_dags", "example_sandbox_modal.py")
+    path = os.path.join(
+        os.path.dirname(modal_module.__file__), "..", "example_dags", "example_sandbox_modal.py"
+    )
     found = runpy.run_path(path, run_name="example_sandbox_modal")
     artifact, attach = found["artifact_dag"], found["attach_dag"]
     assert artifact.dag_id == "example_sandbox_modal_artifact"
@@ -804,3 +823,31 @@ def test_example_dags_parse_without_modal_or_a_connection(monkeypatch):
     assert attach.task_dict["collect"].upstream_task_ids == {"analyse"}
     for task_id in ("provision", "analyse", "collect"):
         assert isinstance(attach.task_dict[task_id].backend, ModalSandboxHook)
+
+
+def test_session_engine_provision_attach_export(make_hook, on_host, tmp_path):
+    """The guide's attach pattern through SandboxSession: provision, attach from a new hook, export, destroy."""
+    from sandbox_provider.sandbox.session import SandboxSession
+
+    first_hook = make_hook()
+    with SandboxSession(
+        first_hook, spec=SandboxSpec(owner="dag/run"), files={"data/in.txt": "hello\n"}, keep=True
+    ) as first:
+        handle = first.ensure()
+        assert first.run("cat data/in.txt > data/out.txt", timeout=30, max_output_bytes=1000).ok
+    sandbox = only_sandbox(on_host)
+    assert not sandbox.terminated
+
+    target = tmp_path / "exported" / "out.txt"
+    with SandboxSession(
+        make_hook(),
+        attach_to=handle,
+        owner="dag/run",
+        holder="dag/run/collect",
+        exports={"data/out.txt": target.as_uri()},
+        keep=False,
+    ) as second:
+        assert second.ensure() == handle
+        assert second.read_file("data/out.txt", max_bytes=100) == b"hello\n"
+    assert target.read_bytes() == b"hello\n"
+    assert sandbox.terminated

@@ -18,13 +18,13 @@ modal = pytest.importorskip("modal")
 if getattr(modal, "__version__", "") == "fake":  # pragma: no cover - the fake leaked from another test
     pytest.skip("the real modal SDK is shadowed", allow_module_level=True)
 
-import modal.exception as real_exception  # noqa: E402
-from modal.container_process import ContainerProcess  # noqa: E402
-from modal.io_streams import StreamReader  # noqa: E402
-from modal.sandbox.sandbox import SandboxFilesystem  # noqa: E402
-from modal.types import FileInfo, FileType  # noqa: E402
+import modal.exception as real_exception
+from modal.container_process import ContainerProcess
+from modal.io_streams import StreamReader
+from modal.sandbox.sandbox import SandboxFilesystem
+from modal.types import FileInfo, FileType
 
-from sandbox_provider.sandbox.spec import SandboxSpec  # noqa: E402
+from sandbox_provider.sandbox.spec import SandboxSpec
 
 try:
     from tests.hooks import fake_modal

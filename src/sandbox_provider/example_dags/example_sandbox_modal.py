@@ -28,7 +28,7 @@ at ``s3://`` or ``gs://`` (with ``export_conn_id``) in a real deployment.
 from __future__ import annotations
 
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from airflow.sdk import DAG, Param, TriggerRule, task
@@ -79,7 +79,7 @@ PARAMS = {"output_base": Param(_output_base(), type="string", description="Stora
 with DAG(
     dag_id="example_sandbox_modal_artifact",
     schedule=None,
-    start_date=datetime(2024, 1, 1, tzinfo=timezone.utc),
+    start_date=datetime(2024, 1, 1, tzinfo=UTC),
     catchup=False,
     tags=["example", "sandbox", "modal"],
     params=PARAMS,
@@ -130,7 +130,7 @@ with DAG(
 with DAG(
     dag_id="example_sandbox_modal_attach",
     schedule=None,
-    start_date=datetime(2024, 1, 1, tzinfo=timezone.utc),
+    start_date=datetime(2024, 1, 1, tzinfo=UTC),
     catchup=False,
     tags=["example", "sandbox", "modal"],
     params=PARAMS,

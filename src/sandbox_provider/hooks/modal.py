@@ -57,7 +57,7 @@ from sandbox_provider.sandbox.spec import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ModalSandboxBackend", "ModalSandboxHook", "SANDBOX_MARKER_TAG"]
+__all__ = ["SANDBOX_MARKER_TAG", "ModalSandboxBackend", "ModalSandboxHook"]
 
 #: Tag every sandbox of this backend carries, with the value ``"true"``, so
 #: ``modal.Sandbox.list(tags={"airflow_sandbox": "true"})`` finds them all.
@@ -110,7 +110,7 @@ def _import_modal() -> Any:
     """Return the ``modal`` module, or raise Airflow's optional-feature error with the install command."""
     try:
         import modal
-        import modal.exception  # noqa: F401  (the error classes live here)
+        import modal.exception
     except ImportError as err:
         from airflow.exceptions import AirflowOptionalProviderFeatureException
 
@@ -335,9 +335,7 @@ class ModalSandboxHook(SandboxHook):
         self.modal_conn_id = modal_conn_id
         self.image = _check_image(image)
         if not isinstance(app_name, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", app_name):
-            raise ValueError(
-                f"app_name must be 1 to 64 letters, digits, '.', '_' or '-', got {app_name!r}."
-            )
+            raise ValueError(f"app_name must be 1 to 64 letters, digits, '.', '_' or '-', got {app_name!r}.")
         self.app_name = app_name
         if not isinstance(create_app_if_missing, bool):
             raise ValueError(f"create_app_if_missing must be True or False, got {create_app_if_missing!r}.")
@@ -509,7 +507,7 @@ class ModalSandboxHook(SandboxHook):
             return False
         try:
             return tracked.sandbox.poll() is not None
-        except Exception:
+        except Exception:  # noqa: BLE001 - a sandbox that cannot even be polled is taken as ended
             return True
 
     # -- provisioning ----------------------------------------------------------------------------------
@@ -635,7 +633,10 @@ class ModalSandboxHook(SandboxHook):
         handle = sandbox.object_id
         self._tracked[handle] = _Tracked(sandbox=sandbox, expires_at=expires_at, workdir=self.workdir)
         log.info(
-            "Created Modal sandbox %s (%s) in app %s; it lives at most %ss", handle, name, self.app_name,
+            "Created Modal sandbox %s (%s) in app %s; it lives at most %ss",
+            handle,
+            name,
+            self.app_name,
             self.sandbox_timeout,
         )
         return handle
@@ -690,7 +691,9 @@ class ModalSandboxHook(SandboxHook):
         app = self._call(f"looking up app {self.app_name!r}", lambda: hook.lookup_app(self.app_name))
         return self._call(
             "listing sandboxes",
-            lambda: [sb.object_id for sb in modal.Sandbox.list(app_id=app.app_id, tags=wanted, client=client)],
+            lambda: [
+                sb.object_id for sb in modal.Sandbox.list(app_id=app.app_id, tags=wanted, client=client)
+            ],
         )
 
     # -- commands --------------------------------------------------------------------------------------
@@ -714,7 +717,9 @@ class ModalSandboxHook(SandboxHook):
     def _exec(self, tracked: _Tracked, handle: str, script: str, seconds: int, action: str) -> Any:
         return self._call(
             action,
-            lambda: tracked.sandbox.exec("sh", "-c", script, timeout=seconds, workdir=tracked.workdir, text=False),
+            lambda: tracked.sandbox.exec(
+                "sh", "-c", script, timeout=seconds, workdir=tracked.workdir, text=False
+            ),
             handle=handle,
             retry=False,  # a retried exec could run the command twice
         )
@@ -795,7 +800,9 @@ class ModalSandboxHook(SandboxHook):
             raise SandboxError(f"{path!r} is not a path.")
         return posixpath.normpath(posixpath.join(tracked.workdir, path))
 
-    def _stream_file(self, handle: str, path: str, sink: IO[bytes], *, max_bytes: int, verb: str) -> tuple[int, int]:
+    def _stream_file(
+        self, handle: str, path: str, sink: IO[bytes], *, max_bytes: int, verb: str
+    ) -> tuple[int, int]:
         """
         Copy the regular file at ``path`` into ``sink`` through one command; return (size, bytes copied).
 
@@ -808,7 +815,7 @@ class ModalSandboxHook(SandboxHook):
         script = (
             f"[ -e {q} ] && [ -r {q} ] || exit {_MISSING}; [ -d {q} ] && exit {_IS_DIR}; "
             f"[ -f {q} ] || exit {_NOT_REGULAR}; s=$(stat -Lc %s -- {q}) || exit {_MISSING}; "
-            f"echo {_SIZE_MARK}$s >&2; [ \"$s\" -gt {int(max_bytes)} ] && exit {_TOO_LARGE}; "
+            f'echo {_SIZE_MARK}$s >&2; [ "$s" -gt {int(max_bytes)} ] && exit {_TOO_LARGE}; '
             f"exec head -c {int(max_bytes) + 1} -- {q}"
         )
         budget = FILE_OP_TIMEOUT + max_bytes / (4 * 1024 * 1024)
@@ -892,7 +899,9 @@ class ModalSandboxHook(SandboxHook):
         tracked = self._lookup(handle)
         target = self._abs(tracked, path)
         self._call(
-            f"writing {path!r}", lambda: tracked.sandbox.filesystem.write_bytes(bytes(data), target), handle=handle
+            f"writing {path!r}",
+            lambda: tracked.sandbox.filesystem.write_bytes(bytes(data), target),
+            handle=handle,
         )
 
     def import_file(self, handle: str, path: str, source: IO[bytes]) -> int:
@@ -1046,7 +1055,7 @@ class _TailReader(threading.Thread):
                         self._chunks[0] = head[extra:]
                         self._held -= extra
                     self.truncated = True
-        except BaseException as err:  # reported to the caller, which decides
+        except BaseException as err:  # noqa: BLE001 - handed to the caller, which decides
             self.error = err
 
     def text(self) -> str:
