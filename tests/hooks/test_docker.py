@@ -502,3 +502,42 @@ def test_lifetime_removes_the_sandbox_of_a_killed_creator(docker_conn, docker_cl
             creator.kill()
         for container in docker_client.containers.list(all=True, filters={"label": f"{OWNER_TAG}=dag_killed/run_1"}):
             container.remove(force=True)
+
+
+# -- through the session engine ------------------------------------------------------------------------
+
+
+def test_session_provisions_stages_exports_and_hands_over(docker_conn, docker_client, tmp_path):
+    from sandbox_provider.sandbox.session import SandboxSession
+
+    hook = DockerSandboxHook(docker_conn, pull="never")
+    source = tmp_path / "input.csv"
+    source.write_bytes(b"a,b\n1,2\n")
+    with SandboxSession(
+        hook,
+        spec=SandboxSpec(owner="dag_s/run_1"),
+        files={"script.py": "print(open('data/input.csv').read().upper(), end='')"},
+        inputs={"data/input.csv": source.as_uri()},
+        keep=True,
+    ) as session:
+        result = session.run("python3 script.py > out.txt && cat out.txt", timeout=60, max_output_bytes=1024)
+        assert result.ok and result.stdout == "A,B\n1,2\n", result
+        handle = session.handle
+    try:
+        assert docker_client.api.inspect_container(handle)["State"]["Running"]
+        target = tmp_path / "exported" / "out.txt"
+        with SandboxSession(
+            DockerSandboxHook(docker_conn),
+            attach_to=handle,
+            owner="dag_s/run_1",
+            holder="dag_s/run_1/collect",
+            exports={"out.txt": target.as_uri()},
+            keep=False,
+        ) as later:
+            assert later.read_file("out.txt", max_bytes=100) == b"A,B\n1,2\n"
+        assert target.read_bytes() == b"A,B\n1,2\n"
+        assert [p.name for p in target.parent.iterdir()] == ["out.txt"]
+        with pytest.raises(docker.errors.NotFound):
+            docker_client.api.inspect_container(handle)
+    finally:
+        hook.destroy(handle)

@@ -264,7 +264,7 @@ class DockerSandboxHook(SandboxHook):
             "tls_ca_cert": extra.get("tls_ca_cert") or None,
             "tls_client_cert": extra.get("tls_client_cert") or None,
             "tls_client_key": extra.get("tls_client_key") or None,
-            "tls_verify": extra.get("tls_verify"),
+            "tls_verify": _flag(extra.get("tls_verify")),
         }
         for key in ("cpus", "memory_bytes", "pids_limit", "sandbox_timeout"):
             value = settings[key]
@@ -575,7 +575,10 @@ class DockerSandboxHook(SandboxHook):
             raise self._engine_error(exc, "reading a command's exit status", handle) from exc
         terminated = False
         if exit_code is None or exit_code >= 128 or failure:
-            terminated = not self._is_running(handle)
+            try:
+                terminated = not self._is_running(handle)
+            except Exception as exc:
+                raise self._engine_error(exc, "checking the sandbox after a command", handle) from exc
         timed_out = abandoned or (exit_code in (124, 137) and elapsed >= budget and not terminated)
         return SandboxExecResult(
             exit_code=-1 if exit_code is None else int(exit_code),
@@ -976,6 +979,15 @@ class DockerSandboxHook(SandboxHook):
             )
         except Exception as err:
             return False, f"{type(err).__name__}: {err}"
+
+
+def _flag(value: Any) -> bool | None:
+    """A boolean extra as the connection form or a JSON string may give it."""
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
 
 
 def _remaining_size(source: IO[bytes]) -> int | None:
