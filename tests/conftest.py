@@ -32,3 +32,15 @@ def add_connection(monkeypatch):
         return conn_id
 
     return _add
+
+
+@pytest.fixture(scope="session")
+def migrated_airflow_db():
+    """Migrate the test AIRFLOW_HOME's SQLite database once per session, for tests that run ``dag.test()``."""
+    import subprocess
+    import sys
+
+    subprocess.run(
+        [sys.executable, "-m", "airflow", "db", "migrate"], check=True, env=dict(os.environ), capture_output=True
+    )
+    return _HOME

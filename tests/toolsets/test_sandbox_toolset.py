@@ -605,3 +605,127 @@ def test_tool_definitions(local):
 def test_network_note(local, spec, expected):
     description = SandboxToolset(local, spec=spec).tool_definitions()[0].description
     assert expected in description
+
+
+# -- the example Dags, offline, under dag.test() ---------------------------------------------------------
+
+NORMALIZE_BROKEN = """\
+import csv
+rows = list(csv.DictReader(open('vendor.csv'), delimiter=';'))
+with open('staging.csv', 'w', newline='') as out:
+    w = csv.writer(out)
+    w.writerow(['order_id', 'customer_name', 'ordered_at', 'amount', 'country_code'])
+    for r in rows:
+        w.writerow([r['OrderNo'], r['Customer'], r['Date'], float(r['Amount']), r['Country']])
+"""
+
+NORMALIZE_FIXED = """\
+import csv
+rows = list(csv.DictReader(open('vendor.csv'), delimiter=';'))
+with open('staging.csv', 'w', newline='') as out:
+    w = csv.writer(out)
+    w.writerow(['order_id', 'customer_name', 'ordered_at', 'amount', 'country_code'])
+    for r in rows:
+        d, m, y = r['Date'].split('.')
+        amount = r['Amount'].replace('.', '').replace(',', '.')
+        w.writerow([r['OrderNo'], r['Customer'], f'{y}-{m}-{d}', amount, r['Country']])
+"""
+
+
+@pytest.fixture
+def scripted_llm(monkeypatch, add_connection):
+    """
+    Route AgentOperator's model to a Script: the operator builds its agent from
+    ``PydanticAIHook.get_hook(llm_conn_id).get_conn()``, so the connection is defined (with no
+    secret) and ``get_conn`` returns the scripted FunctionModel instead of a provider's model.
+    """
+    from airflow.providers.common.ai.hooks.pydantic_ai import PydanticAIHook
+
+    add_connection("pydanticai_default", "pydanticai")
+
+    def use(script: Script) -> Script:
+        monkeypatch.setattr(PydanticAIHook, "get_conn", lambda self: script.model)
+        return script
+
+    return use
+
+
+def _states(dag_run) -> dict[str, str]:
+    return {ti.task_id: str(ti.state) for ti in dag_run.get_task_instances()}
+
+
+def test_example_agent_dag_runs_offline(migrated_airflow_db, scripted_llm, tmp_path):
+    from sandbox_provider.example_dags.example_sandbox_agent import VENDOR_SAMPLE, agent_dag
+
+    script = scripted_llm(
+        Script(
+            [("write_file", {"path": "vendor.csv", "content": VENDOR_SAMPLE}),
+             ("write_file", {"path": "normalize.py", "content": NORMALIZE_BROKEN})],
+            [("run_command", {"command": "python3 normalize.py"})],
+            [("write_file", {"path": "normalize.py", "content": NORMALIZE_FIXED})],
+            [("run_command", {"command": "python3 normalize.py && cat staging.csv"})],
+            "OrderNo->order_id, Customer->customer_name, Date->ordered_at, Amount->amount, Country->country_code",
+        )
+    )
+    dag_run = agent_dag.test(run_conf={"output_base": tmp_path.as_uri()})
+
+    assert _states(dag_run) == {"normalize": "success", "load": "success"}
+    texts = script.texts()
+    assert "ValueError" in texts[2] and "[exit code: 1]" in texts[2]
+    assert "A-1001,Acme GmbH,2024-01-03,1234.50,DE" in texts[4]
+    (staging,) = tmp_path.glob("*/staging.csv")
+    assert staging.read_text().splitlines()[1] == "A-1001,Acme GmbH,2024-01-03,1234.50,DE"
+    load = next(ti for ti in dag_run.get_task_instances() if ti.task_id == "load")
+    assert load.xcom_pull(task_ids="load") == 3
+
+
+def test_example_attach_dag_provision_agent_collect(migrated_airflow_db, scripted_llm, tmp_path):
+    from sandbox_provider.example_dags.example_sandbox_agent import attach_dag
+
+    report_script = (
+        "import csv, collections\n"
+        "totals = collections.Counter()\n"
+        "for row in csv.DictReader(open('data/sales.csv')):\n"
+        "    totals[row['region']] += int(row['amount'])\n"
+        "open('data/report.md', 'w').write(''.join(f'- {k}: {v}\\n' for k, v in sorted(totals.items())))\n"
+    )
+    script = scripted_llm(
+        Script(
+            [("run_command", {"command": "cat data/sales.csv"})],
+            [("write_file", {"path": "report.py", "content": report_script})],
+            [("run_command", {"command": "python3 report.py && cat data/report.md"})],
+            "north 150, south 80",
+        )
+    )
+    dag_run = attach_dag.test(run_conf={"output_base": tmp_path.as_uri()})
+
+    assert _states(dag_run) == {"provision": "success", "analyse": "success", "collect": "success"}
+    texts = script.texts()
+    assert texts[0].startswith("[stdout]\nregion,amount\nnorth,120")
+    assert texts[2] == "[stdout]\n- north: 150\n- south: 80"
+    description = script.descriptions["run_command"]
+    assert f"provisioned by an earlier task for {attach_dag.dag_id}/{dag_run.run_id}" in description
+    (report,) = tmp_path.glob("*/report.md")
+    assert report.read_text() == "- north: 150\n- south: 80\n"
+    handle = next(ti for ti in dag_run.get_task_instances() if ti.task_id == "provision").xcom_pull(
+        task_ids="provision"
+    )
+    with pytest.raises(SandboxTerminalError):
+        LocalSandboxHook().read_tags(handle)
+
+
+def test_example_agent_dags_parse_without_connections(monkeypatch):
+    from airflow.dag_processing.dagbag import DagBag
+    from airflow.sdk import BaseHook
+    from airflow.sdk.definitions.connection import Connection
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a connection was looked up while the Dag file was parsed")
+
+    monkeypatch.setattr(BaseHook, "get_connection", classmethod(refuse))
+    monkeypatch.setattr(Connection, "get", classmethod(refuse))
+    import sandbox_provider.example_dags.example_sandbox_agent as example
+
+    bag = DagBag(dag_folder=example.__file__)
+    assert bag.import_errors == {}
+    assert sorted(bag.dag_ids) == ["example_sandbox_agent", "example_sandbox_agent_attach"]
