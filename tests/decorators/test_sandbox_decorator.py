@@ -198,7 +198,10 @@ def test_context_strings_are_passed_to_parameters_named_after_them(hook):
 
 def test_spec_and_exports_apply(hook, tmp_path):
     target = tmp_path / "report.txt"
-    assert run(writes_report, hook, exports={"report.txt": target.as_uri()}, spec=SandboxSpec(env={"A": "b"})) == "written"
+    assert (
+        run(writes_report, hook, exports={"report.txt": target.as_uri()}, spec=SandboxSpec(env={"A": "b"}))
+        == "written"
+    )
     assert target.read_text() == "all good\n"
 
 
@@ -257,7 +260,9 @@ def test_non_json_value_from_xcom_fails_before_provisioning(hook, monkeypatch):
     monkeypatch.setattr(LocalSandboxHook, "create", mock.Mock(side_effect=AssertionError("provisioned")))
     op = build(takes_any, "placeholder", backend=hook)
     op.op_args = [object()]  # what a rendered XComArg could hold
-    with pytest.raises(ValueError, match="positional argument 0 cannot be sent: a object is not a JSON value"):
+    with pytest.raises(
+        ValueError, match="positional argument 0 cannot be sent: a object is not a JSON value"
+    ):
         op.execute(context())
 
 
@@ -286,9 +291,8 @@ def test_xcom_arguments_are_checked_at_run_time_only():
 def test_lambda_is_refused():
     with pytest.raises(ValueError, match="cannot run a lambda"):
         sandbox_task(lambda: 1)
-    with pytest.raises(ValueError, match="cannot run a lambda"):
-        with DAG("d", schedule=None):
-            task.sandbox()(lambda: 1)()
+    with pytest.raises(ValueError, match="cannot run a lambda"), DAG("d", schedule=None):
+        task.sandbox()(lambda: 1)()
 
 
 def test_generators_and_async_functions_are_refused():

@@ -49,7 +49,11 @@ def test_example_parses_without_looking_up_a_connection(path):
 def migrated_db():
     """Migrate the test AIRFLOW_HOME's SQLite database once (set up by tests/conftest.py)."""
     done = subprocess.run(
-        [sys.executable, "-m", "airflow", "db", "migrate"], env=os.environ.copy(), capture_output=True, text=True
+        [sys.executable, "-m", "airflow", "db", "migrate"],
+        check=False,
+        env=os.environ.copy(),
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
@@ -65,7 +69,9 @@ def run_example(dag_id: str, **run_conf):
     def xcom(task_id: str):
         with create_session() as session:
             rows = session.scalars(
-                XComModel.get_many(run_id=dag_run.run_id, dag_ids=dag_id, task_ids=task_id, key="return_value")
+                XComModel.get_many(
+                    run_id=dag_run.run_id, dag_ids=dag_id, task_ids=task_id, key="return_value"
+                )
             ).all()
             return XComModel.deserialize_value(rows[0]) if rows else None
 
@@ -151,7 +157,9 @@ def test_attach_example_shares_one_sandbox_then_removes_it(migrated_db, tmp_path
     collected = xcom("collect")
     assert collected["stdout"] == '{"count": 1000, "even": 500, "squares": 31, "total": 500500}'
     exported = tmp_path / dag_run.run_id / "findings.json"
-    assert collected["exports"] == {"data/findings.json": f"{tmp_path.as_uri()}/{dag_run.run_id}/findings.json"}
+    assert collected["exports"] == {
+        "data/findings.json": f"{tmp_path.as_uri()}/{dag_run.run_id}/findings.json"
+    }
     assert exported.read_text() == collected["stdout"]
     handle = xcom("provision")
     with pytest.raises(SandboxTerminalError, match="does not exist"):

@@ -20,7 +20,7 @@ import secrets
 import shlex
 import textwrap
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_decorator_factory
 from airflow.sdk.definitions.context import KNOWN_CONTEXT_KEYS
@@ -163,10 +163,14 @@ def shipped_source(fn: Callable) -> tuple[str, str, int]:
     try:
         tree = ast.parse(text)
     except SyntaxError as err:
-        raise ValueError(f"Could not parse the source of {fn.__name__}() to ship it into the sandbox: {err}") from err
+        raise ValueError(
+            f"Could not parse the source of {fn.__name__}() to ship it into the sandbox: {err}"
+        ) from err
     node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
     if node is None:
-        raise ValueError(f"Could not find the def of {fn.__name__}() in its source to ship it into the sandbox.")
+        raise ValueError(
+            f"Could not find the def of {fn.__name__}() in its source to ship it into the sandbox."
+        )
     kept = text.splitlines()
     for decorator in node.decorator_list:
         # The "@" sits on the decorator's first line; blank through its last.
@@ -204,7 +208,7 @@ class _SandboxDecoratedOperator(DecoratedOperator, SandboxOperator):
         *DecoratedOperator.template_fields,
         *(f for f in SandboxOperator.template_fields if f != "command"),
     )
-    template_fields_renderers = {**DecoratedOperator.template_fields_renderers}
+    template_fields_renderers: ClassVar[dict[str, str]] = {**DecoratedOperator.template_fields_renderers}
 
     def __init__(
         self,
@@ -216,16 +220,26 @@ class _SandboxDecoratedOperator(DecoratedOperator, SandboxOperator):
     ) -> None:
         _check_callable(python_callable)
         if "command" in kwargs:
-            raise ValueError("@task.sandbox builds the command from the function; drop command=, or use SandboxOperator.")
+            raise ValueError(
+                "@task.sandbox builds the command from the function; drop command=, or use SandboxOperator."
+            )
         if kwargs.get("keep_sandbox") is True:
             raise ValueError(
                 "@task.sandbox returns the function's value, so it cannot hand on a sandbox with keep_sandbox=True. "
                 "Provision with SandboxOperator(keep_sandbox=True) and pass its handle here as attach_to."
             )
         if not isinstance(python, str) or not python.strip():
-            raise ValueError(f"python must name the interpreter inside the sandbox, e.g. 'python3'; got {python!r}.")
-        if isinstance(max_result_bytes, bool) or not isinstance(max_result_bytes, int) or max_result_bytes <= 0:
-            raise ValueError(f"max_result_bytes must be a positive number of bytes, got {max_result_bytes!r}.")
+            raise ValueError(
+                f"python must name the interpreter inside the sandbox, e.g. 'python3'; got {python!r}."
+            )
+        if (
+            isinstance(max_result_bytes, bool)
+            or not isinstance(max_result_bytes, int)
+            or max_result_bytes <= 0
+        ):
+            raise ValueError(
+                f"max_result_bytes must be a positive number of bytes, got {max_result_bytes!r}."
+            )
         super().__init__(python_callable=python_callable, command="(built from the function)", **kwargs)
         _check_arguments(self.op_args, self.op_kwargs, allow_references=True)
         self.python = python
@@ -309,7 +323,9 @@ class _SandboxDecoratedOperator(DecoratedOperator, SandboxOperator):
         try:
             session.run(f"rm -rf -- {shlex.quote(self._call_dir or '')}", timeout=60, max_output_bytes=4096)
         except Exception:
-            self.log.warning("Could not remove %s from sandbox %s", self._call_dir, session.handle, exc_info=True)
+            self.log.warning(
+                "Could not remove %s from sandbox %s", self._call_dir, session.handle, exc_info=True
+            )
 
     def _xcom(self, session: SandboxSession, result: SandboxExecResult | None, collected: Any) -> Any:
         return collected

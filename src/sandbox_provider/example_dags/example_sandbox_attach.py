@@ -19,7 +19,7 @@ The findings go to ``<output_base>/<run_id>/findings.json``; ``output_base`` def
 from __future__ import annotations
 
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from airflow.sdk import DAG, Param, TriggerRule, task
@@ -37,7 +37,7 @@ def _output_base() -> str:
 with DAG(
     dag_id="example_sandbox_attach",
     schedule=None,
-    start_date=datetime(2024, 1, 1, tzinfo=timezone.utc),
+    start_date=datetime(2024, 1, 1, tzinfo=UTC),
     catchup=False,
     tags=["example", "sandbox"],
     params={"output_base": Param(_output_base(), type="string", description="Storage URL for the findings.")},

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from airflow.sdk import DAG, Param, task
@@ -99,7 +99,7 @@ if __name__ == "__main__":
 with DAG(
     dag_id="example_sandbox_flights",
     schedule=None,
-    start_date=datetime(2024, 1, 1, tzinfo=timezone.utc),
+    start_date=datetime(2024, 1, 1, tzinfo=UTC),
     catchup=False,
     tags=["example", "sandbox"],
     params={

@@ -8,7 +8,7 @@ commands, read files, and destroy it in a ``finally`` so nothing is left behind.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from airflow.sdk import DAG, task
 
@@ -22,7 +22,7 @@ and it leaves the host alone.
 with DAG(
     dag_id="example_sandbox_hook",
     schedule=None,
-    start_date=datetime(2024, 1, 1, tzinfo=timezone.utc),
+    start_date=datetime(2024, 1, 1, tzinfo=UTC),
     catchup=False,
     tags=["example", "sandbox"],
     doc_md=__doc__,
@@ -45,7 +45,9 @@ with DAG(
                 max_output_bytes=64 * 1024,
             )
             if not result.ok:
-                raise RuntimeError(f"The count failed with status {result.exit_code}: {result.stderr.strip()}")
+                raise RuntimeError(
+                    f"The count failed with status {result.exit_code}: {result.stderr.strip()}"
+                )
             words = int(hook.read_file(handle, "words.txt", max_bytes=64))
             lines = int(hook.read_file(handle, "lines.txt", max_bytes=64))
         finally:

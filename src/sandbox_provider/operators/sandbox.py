@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowSkipException
@@ -107,7 +107,11 @@ class SandboxOperator(BaseOperator):
     """
 
     template_fields: Sequence[str] = ("command", "inputs", "exports", "attach_to")
-    template_fields_renderers = {"command": "bash", "inputs": "json", "exports": "json"}
+    template_fields_renderers: ClassVar[dict[str, str]] = {
+        "command": "bash",
+        "inputs": "json",
+        "exports": "json",
+    }
     ui_color = "#e6f2ea"
 
     def __init__(
@@ -139,12 +143,15 @@ class SandboxOperator(BaseOperator):
                 )
         elif not isinstance(command, str) or not command.strip():
             raise ValueError(f"command must be a non-empty shell command, got {command!r}.")
-        if backend is not None and not isinstance(backend, SandboxHook):
-            if not isinstance(backend, str) or not backend.strip():
-                raise ValueError(
-                    "backend must be a sandbox hook, the id of a sandbox connection, or None for the local "
-                    f"backend; got {backend!r}."
-                )
+        if not (
+            backend is None
+            or isinstance(backend, SandboxHook)
+            or (isinstance(backend, str) and backend.strip())
+        ):
+            raise ValueError(
+                "backend must be a sandbox hook, the id of a sandbox connection, or None for the local "
+                f"backend; got {backend!r}."
+            )
         if spec is not None and not isinstance(spec, SandboxSpec):
             raise ValueError(f"spec must be a SandboxSpec, got {type(spec).__name__}.")
         if keep_sandbox not in (None, True, False):
@@ -285,7 +292,9 @@ class SandboxOperator(BaseOperator):
         if result.stderr:
             self.log.info("Standard error of the command in sandbox %s:\n%s", handle, result.stderr)
         if result.stdout_truncated or result.stderr_truncated:
-            self.log.info("Output was longer than max_output_bytes=%d; only its end is kept", self.max_output_bytes)
+            self.log.info(
+                "Output was longer than max_output_bytes=%d; only its end is kept", self.max_output_bytes
+            )
         stderr_tail = tail_text(result.stderr.rstrip(), TAIL_CHARS) or "(no output on standard error)"
         if result.sandbox_terminated:
             raise SandboxCommandError(
@@ -298,7 +307,9 @@ class SandboxOperator(BaseOperator):
                 f"timeout= or make the command faster. Last standard error:\n{stderr_tail}"
             )
         if result.exit_code in self.skip_on_exit_code:
-            raise AirflowSkipException(f"The command exited with status {result.exit_code}; skipping the task.")
+            raise AirflowSkipException(
+                f"The command exited with status {result.exit_code}; skipping the task."
+            )
         if result.exit_code != 0:
             raise SandboxCommandError(
                 f"The command exited with status {result.exit_code} in sandbox {handle}. Last standard error:\n"
