@@ -32,6 +32,7 @@ TARBALL="${CACHE_DIR}/rootfs-${CODENAME}-${RECIPE_ID}.tar.gz"
 # -- 1. packages ------------------------------------------------------------------------------
 need=()
 command -v dockerd >/dev/null 2>&1 || need+=(docker.io)
+command -v cgroupfs-mount >/dev/null 2>&1 || need+=(cgroupfs-mount)
 command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
 if [ "${#need[@]}" -gt 0 ]; then
   log "installing ${need[*]}"
@@ -43,6 +44,11 @@ fi
 # -- 2. the engine ----------------------------------------------------------------------------
 engine_up() { docker info >/dev/null 2>&1; }
 if ! engine_up; then
+  # A machine that booted without an init system may have no cgroup hierarchy mounted yet.
+  if ! awk '$3 == "cgroup" || $3 == "cgroup2" { found = 1 } END { exit !found }' /proc/mounts; then
+    log "mounting cgroup hierarchies"
+    cgroupfs-mount || log "cgroupfs-mount failed; dockerd may not start"
+  fi
   log "starting dockerd (log: /var/log/airflow-sandbox-dockerd.log)"
   setsid nohup dockerd >/var/log/airflow-sandbox-dockerd.log 2>&1 </dev/null &
   for _ in $(seq 1 60); do
