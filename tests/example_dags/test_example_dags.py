@@ -5,8 +5,6 @@ from __future__ import annotations
 import csv
 import io
 import os
-import subprocess
-import sys
 import zipfile
 from collections import defaultdict
 from pathlib import Path
@@ -43,19 +41,6 @@ def test_example_parses_without_looking_up_a_connection(path):
 
 
 # -- end to end ----------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def migrated_db():
-    """Migrate the test AIRFLOW_HOME's SQLite database once (set up by tests/conftest.py)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "airflow", "db", "migrate"],
-        check=False,
-        env=os.environ.copy(),
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def run_example(dag_id: str, **run_conf):
@@ -109,7 +94,7 @@ def independent_carrier_stats() -> dict[str, dict[str, float]]:
 
 
 @needs_bwrap
-def test_flights_report_holds_the_right_numbers(migrated_db, tmp_path):
+def test_flights_report_holds_the_right_numbers(migrated_airflow_db, tmp_path):
     dag_run, xcom = run_example("example_sandbox_flights", output_base=tmp_path.as_uri())
     assert str(dag_run.state) == "success", task_states(dag_run)
 
@@ -139,14 +124,14 @@ def test_flights_report_holds_the_right_numbers(migrated_db, tmp_path):
 
 
 @needs_bwrap
-def test_hook_example_runs(migrated_db):
+def test_hook_example_runs(migrated_airflow_db):
     dag_run, xcom = run_example("example_sandbox_hook")
     assert str(dag_run.state) == "success", task_states(dag_run)
     assert xcom("count_words") == {"lines": 4, "words": 24}
 
 
 @needs_bwrap
-def test_attach_example_shares_one_sandbox_then_removes_it(migrated_db, tmp_path):
+def test_attach_example_shares_one_sandbox_then_removes_it(migrated_airflow_db, tmp_path):
     from sandbox_provider.hooks.local import LocalSandboxHook
     from sandbox_provider.sandbox import SandboxTerminalError
 
