@@ -19,7 +19,7 @@ up when the agent task runs, never when this file is parsed. ``output_base`` def
 from __future__ import annotations
 
 import os
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from airflow.providers.common.ai.operators.agent import AgentOperator
@@ -48,10 +48,12 @@ def _output_base() -> str:
 
 DAG_ARGS = {
     "schedule": None,
-    "start_date": datetime(2024, 1, 1, tzinfo=timezone.utc),
+    "start_date": datetime(2024, 1, 1, tzinfo=UTC),
     "catchup": False,
     "tags": ["example", "sandbox", "agent"],
-    "params": {"output_base": Param(_output_base(), type="string", description="Storage URL for the results.")},
+    "params": {
+        "output_base": Param(_output_base(), type="string", description="Storage URL for the results.")
+    },
     "doc_md": __doc__,
 }
 
@@ -69,7 +71,8 @@ with DAG(dag_id="example_sandbox_agent", **DAG_ARGS) as agent_dag:
         ),
         system_prompt=(
             "You have a sandbox with Python 3 and its standard library, no network, and an empty working "
-            "directory. Write scripts to files and run them; read tracebacks and fix the code rather than guess."
+            "directory. Write scripts to files and run them; read tracebacks and fix the code rather "
+            "than guess."
         ),
         toolsets=[
             SandboxToolset(
@@ -95,7 +98,9 @@ with DAG(dag_id="example_sandbox_agent_attach", **DAG_ARGS) as attach_dag:
         task_id="provision",
         # Stamped with this Dag run as owner; the handle is the XCom the agent attaches by.
         keep_sandbox=True,
-        command="mkdir -p data && printf 'region,amount\\nnorth,120\\nsouth,80\\nnorth,30\\n' > data/sales.csv",
+        command=(
+            "mkdir -p data && printf 'region,amount\\nnorth,120\\nsouth,80\\nnorth,30\\n' > data/sales.csv"
+        ),
     )
 
     analyse = AgentOperator(

@@ -161,7 +161,9 @@ def tail_lines(text: str, *, max_lines: int, max_bytes: int, already_cut: bool =
     return f"{note}\n{body}"
 
 
-def file_window(text: str, *, offset: int = 1, limit: int | None = None, max_lines: int, max_bytes: int) -> str:
+def file_window(
+    text: str, *, offset: int = 1, limit: int | None = None, max_lines: int, max_bytes: int
+) -> str:
     """
     Render lines of ``text`` starting at line ``offset`` (1-based), at most ``limit`` of them,
     under ``max_lines`` lines and ``max_bytes`` UTF-8 bytes.
@@ -181,8 +183,8 @@ def file_window(text: str, *, offset: int = 1, limit: int | None = None, max_lin
     kept, _ = head_lines(lines[start:], max_lines=wanted, max_bytes=max_bytes)
     if not kept:
         return (
-            f"Line {offset} is wider than the {format_size(max_bytes)} output limit. Read part of it with a shell "
-            f"command instead, e.g. sed -n '{offset}p' FILE | cut -c1-2000, or head -c."
+            f"Line {offset} is wider than the {format_size(max_bytes)} output limit. Read part of it with a "
+            f"shell command instead, e.g. sed -n '{offset}p' FILE | cut -c1-2000, or head -c."
         )
     body = "\n".join(kept)
     remaining = total - start - len(kept)

@@ -13,14 +13,13 @@ import copy
 import math
 import sys
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar
-
-from typing_extensions import NotRequired, TypedDict
+from typing import Annotated, Any, ClassVar, NotRequired, Self
 
 from pydantic import Field, TypeAdapter
 from pydantic_ai.exceptions import ModelRetry
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.toolsets.abstract import AbstractToolset, ToolsetTool
+from typing_extensions import TypedDict
 
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
 from sandbox_provider.sandbox.hook import SandboxHook
@@ -126,7 +125,9 @@ def lifetime_note(remaining: float | None) -> str:
     if remaining < 60:
         return "Less than a minute of its lifetime was left when this run began, so finish quickly."
     minutes = round(remaining / 60)
-    return f"About {minutes} minute{'s' if minutes != 1 else ''} of its lifetime {'were' if minutes != 1 else 'was'} left when this run began."
+    if minutes == 1:
+        return "About 1 minute of its lifetime was left when this run began."
+    return f"About {minutes} minutes of its lifetime were left when this run began."
 
 
 class SandboxToolset(AbstractToolset[Any]):
@@ -196,7 +197,8 @@ class SandboxToolset(AbstractToolset[Any]):
     ) -> None:
         if not isinstance(backend, SandboxHook):
             raise ValueError(
-                f"backend must be a sandbox hook instance such as LocalSandboxHook(), got {type(backend).__name__}."
+                "backend must be a sandbox hook instance such as LocalSandboxHook(), "
+                f"got {type(backend).__name__}."
             )
         for name, value in (
             ("default_command_timeout", default_command_timeout),
@@ -222,13 +224,15 @@ class SandboxToolset(AbstractToolset[Any]):
         if attach_to is not None:
             if not backend.attachable:
                 raise ValueError(
-                    f"attach_to needs a backend whose sandboxes another task can pick up, and {backend.name!r} "
-                    "is not one. Drop attach_to to let the toolset provision its own sandbox, or provision on "
-                    "an attachable backend such as LocalSandboxHook or ModalSandboxHook."
+                    "attach_to needs a backend whose sandboxes another task can pick up, and "
+                    f"{backend.name!r} is not one. Drop attach_to to let the toolset provision its own "
+                    "sandbox, or provision on an attachable backend such as LocalSandboxHook or "
+                    "ModalSandboxHook."
                 )
             if not isinstance(attach_to, str) or not attach_to.strip():
                 raise ValueError(
-                    f"attach_to must be a sandbox handle or a template that renders to one, got {attach_to!r}."
+                    "attach_to must be a sandbox handle or a template that renders to one, "
+                    f"got {attach_to!r}."
                 )
             if spec is not None:
                 raise ValueError(
@@ -245,8 +249,8 @@ class SandboxToolset(AbstractToolset[Any]):
                 raise ValueError("owner only applies together with attach_to; drop it, or pass attach_to.")
             if spec is not None and spec.owner is not None:
                 raise ValueError(
-                    "SandboxSpec.owner marks a sandbox for another task to attach to, but the toolset destroys "
-                    "the sandbox it provisions when the run ends. Provision it in a task with "
+                    "SandboxSpec.owner marks a sandbox for another task to attach to, but the toolset "
+                    "destroys the sandbox it provisions when the run ends. Provision it in a task with "
                     "SandboxSpec(owner=...) and pass the handle as attach_to, or drop owner."
                 )
         if owner is not None and (not isinstance(owner, str) or not owner.strip()):
@@ -333,7 +337,7 @@ class SandboxToolset(AbstractToolset[Any]):
                 from airflow.sdk import get_current_context
 
                 context = get_current_context()
-            except Exception:  # outside a task: the session asks for an explicit owner
+            except Exception:  # noqa: BLE001 - outside a task: the session asks for an explicit owner
                 context = None
         return SandboxSession(
             self.backend,
@@ -369,14 +373,14 @@ class SandboxToolset(AbstractToolset[Any]):
         unused_original = self._forked and session.handle is None
         session.close(succeeded=not failed and not unused_original)
 
-    def __enter__(self) -> SandboxToolset:
+    def __enter__(self) -> Self:
         self._open()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._close(failed=exc_type is not None)
 
-    async def __aenter__(self) -> SandboxToolset:
+    async def __aenter__(self) -> Self:
         # pydantic-ai exits toolsets from an exit stack that may not pass the run's exception on,
         # so remember what was being handled here and compare at exit.
         self._exc_at_enter = sys.exc_info()[1]
@@ -393,8 +397,9 @@ class SandboxToolset(AbstractToolset[Any]):
         session = self._session
         if session is None:
             raise SandboxTerminalError(
-                "SandboxToolset is not open. Call its tools inside `with toolset:` or `async with toolset:` "
-                "(an agent run does this itself), so the sandbox it provisions is removed when the block ends."
+                "SandboxToolset is not open. Call its tools inside `with toolset:` or "
+                "`async with toolset:` (an agent run does this itself), so the sandbox it provisions is "
+                "removed when the block ends."
             )
         return session
 
@@ -403,18 +408,25 @@ class SandboxToolset(AbstractToolset[Any]):
     def _run_command_description(self) -> str:
         if self._description is not None:
             return self._description
-        workdir = getattr(self.backend, "workdir", None)
-        parts = [
-            "Run a shell command line in an isolated sandbox and return its output. Pipes, redirection, "
-            "&& and globs work. Each call starts a new shell: files persist between calls, shell variables "
-            "and background jobs do not. A non-zero exit status is reported, not raised: read stderr and fix "
-            "the command. The sandbox has none of Airflow's connections, variables or environment.",
-            f"Relative paths start at {workdir}." if workdir else "Relative paths start at the working directory.",
-            f"Commands get {self.default_command_timeout:g}s unless you pass timeout_seconds "
-            f"(at most {self.max_command_timeout:g}s).",
-        ]
         session = self._session
         attached = session.attached if session is not None else None
+        workdir = (attached.workdir if attached is not None else None) or getattr(
+            self.backend, "workdir", None
+        )
+        parts = [
+            (
+                "Run a shell command line in an isolated sandbox and return its output. Pipes, redirection, "
+                "&& and globs work. Each call starts a new shell: files persist between calls, shell "
+                "variables and background jobs do not. A non-zero exit status is reported, not raised: read "
+                "stderr and fix the command. The sandbox has none of Airflow's connections, variables or "
+                "environment."
+            ),
+            f"Relative paths start at {workdir or 'the working directory'}.",
+            (
+                f"Commands get {self.default_command_timeout:g}s unless you pass timeout_seconds "
+                f"(at most {self.max_command_timeout:g}s)."
+            ),
+        ]
         if self._attach_mode:
             owner = (attached.tags.get(OWNER_TAG) if attached is not None else None) or self.owner
             whose = f" for {owner}" if owner else ""
@@ -426,7 +438,8 @@ class SandboxToolset(AbstractToolset[Any]):
                 parts.append(network_note(attached.network))
             else:
                 parts.append(
-                    "Its network access is whatever the task that provisioned it allowed; test before relying on it."
+                    "Its network access is whatever the task that provisioned it allowed; test before "
+                    "relying on it."
                 )
             if attached is not None:
                 parts.append(lifetime_note(attached.remaining_lifetime))
@@ -448,15 +461,18 @@ class SandboxToolset(AbstractToolset[Any]):
         return description
 
     def tool_definitions(self) -> list[ToolDefinition]:
-        """The four tool definitions (name, description, JSON schema), e.g. for a framework outside pydantic-ai."""
+        """The four tool definitions (name, description, JSON schema), for frameworks outside pydantic-ai."""
         descriptions = {
             "run_command": self._run_command_description(),
             "read_file": (
-                "Read a text file from the sandbox. A long file is cut and the result says which offset reads "
-                f"on; at most {self.max_output_lines} lines or {format_size(self.max_output_bytes)} are shown "
-                f"at once, and files over {format_size(self.max_read_bytes)} must be read with a shell command."
+                "Read a text file from the sandbox. A long file is cut and the result says which offset "
+                f"reads on; at most {self.max_output_lines} lines or {format_size(self.max_output_bytes)} "
+                f"are shown at once, and files over {format_size(self.max_read_bytes)} must be read with a "
+                "shell command."
             ),
-            "write_file": "Write a text file in the sandbox, replacing it if it exists and creating parent directories.",
+            "write_file": (
+                "Write a text file in the sandbox, replacing it if it exists and creating parent directories."
+            ),
             "list_directory": "List a directory in the sandbox, sorted by name; directories end with '/'.",
         }
         definitions = []
@@ -555,9 +571,13 @@ class SandboxToolset(AbstractToolset[Any]):
                 or not math.isfinite(timeout_seconds)
                 or timeout_seconds <= 0
             ):
-                raise ModelRetry(f"timeout_seconds must be a number of seconds above 0, got {timeout_seconds!r}.")
+                raise ModelRetry(
+                    f"timeout_seconds must be a number of seconds above 0, got {timeout_seconds!r}."
+                )
             budget = min(float(timeout_seconds), self.max_command_timeout)
-        result = session.run(command, timeout=budget, max_output_bytes=self.max_output_bytes + MASK_MARGIN_BYTES)
+        result = session.run(
+            command, timeout=budget, max_output_bytes=self.max_output_bytes + MASK_MARGIN_BYTES
+        )
         sections = []
         if result.stdout:
             sections.append("[stdout]\n" + self._shape(result.stdout, cut=result.stdout_truncated))
@@ -571,7 +591,9 @@ class SandboxToolset(AbstractToolset[Any]):
         elif result.exit_code != 0:
             notes.append(f"[exit code: {result.exit_code}]")
             if result.exit_code == 127:
-                notes.append("[127 usually means the command is not installed in this sandbox; use another tool]")
+                notes.append(
+                    "[127 usually means the command is not installed in this sandbox; use another tool]"
+                )
         if result.applied_timeout is not None and not result.timed_out and result.applied_timeout < budget:
             notes.append(f"[the sandbox allowed only {result.applied_timeout:g}s for this command]")
         if result.sandbox_terminated:
