@@ -369,3 +369,35 @@ def test_on_kill_destroys_the_running_sandbox(hook):
 
 def test_on_kill_before_execute_is_harmless():
     SandboxOperator(task_id="t", command="true").on_kill()
+
+
+def test_collect_destroys_even_when_its_command_fails(hook, tmp_path):
+    handle = SandboxOperator(task_id="p", backend=hook, command=None, keep_sandbox=True).execute(
+        make_context()
+    )
+    target = tmp_path / "report.txt"
+    collect = SandboxOperator(
+        task_id="collect",
+        backend=hook,
+        attach_to=handle,
+        command="test -s report.txt",
+        exports={"report.txt": target.as_uri()},
+        keep_sandbox=False,
+    )
+    with pytest.raises(SandboxCommandError, match="status 1"):
+        collect.execute(make_context(task_id="collect"))
+    assert sandboxes(hook) == [] and not target.exists()
+
+
+def test_templated_input_url(hook, tmp_path):
+    (tmp_path / "run-7").mkdir()
+    (tmp_path / "run-7" / "in.txt").write_text("templated input")
+    op = SandboxOperator(
+        task_id="t",
+        backend=hook,
+        command="cat in.txt",
+        inputs={"in.txt": f"{tmp_path.as_uri()}/{{{{ run_id }}}}/in.txt"},
+    )
+    context = make_context(run_id="run-7")
+    render(op, context)
+    assert op.execute(context)["stdout"] == "templated input"
