@@ -465,10 +465,10 @@ class DockerSandboxHook(SandboxHook):
         auth = None
         if settings["login"]:
             auth = {"username": settings["login"], "password": settings["password"] or ""}
-        repository, _, tag = image.rpartition(":") if ":" in image.rsplit("/", 1)[-1] else (image, "", "")
         log.info("Pulling image %s on %s", image, self._where)
         try:
-            self._client().api.pull(repository or image, tag=tag or None, auth_config=auth)
+            # The SDK splits the reference into repository and tag (or digest) itself.
+            self._client().api.pull(image, auth_config=auth)
         except Exception as err:
             raise SandboxTerminalError(
                 f"Image {image!r} is not on {self._where} (connection {self.sandbox_conn_id!r}) and could not be "
@@ -615,6 +615,8 @@ class DockerSandboxHook(SandboxHook):
         from docker.utils import decode_json_header
 
         api = self._client().api
+        # The SDK has no call for the archive API's HEAD (the stat ``docker cp`` makes first), so
+        # it goes through the SDK's own session, URL builder and error mapping.
         try:
             res = api.head(api._url("/containers/{0}/archive", handle), params={"path": path}, timeout=API_TIMEOUT)
             if res.status_code == 404 and "x-docker-container-path-stat" not in res.headers:
