@@ -4,12 +4,15 @@
 #
 #   bash scripts/demo.sh
 #
-# Python: $PYTHON if set, else .venv/bin/python in this checkout, else python3 (or python) on PATH;
-# it needs this package installed with the demo extra: pip install -e '.[demo]'.
+# Python: $PYTHON if set (it needs this package installed with the demo extra: pip install -e '.[demo]');
+# otherwise scripts/setup.sh makes .venv in this checkout from the lock file, and the demo uses it.
 # The report goes under $SANDBOX_DEMO_OUTPUT (a URL or a directory), default /tmp/airflow-sandbox-demo.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -z "${PYTHON:-}" ]]; then
+    bash "$ROOT/scripts/setup.sh"
+fi
 
 if [[ -n "${PYTHON:-}" ]]; then
     PY="$PYTHON"
