@@ -30,7 +30,9 @@ import time
 
 IMAGE = os.environ.get("SANDBOX_DOCKER_IMAGE", "airflow-sandbox-python:bookworm")
 CONN_ID = "sandbox_docker_bench"
-os.environ.setdefault(f"AIRFLOW_CONN_{CONN_ID.upper()}", json.dumps({"conn_type": "sandbox_docker", "extra": {"image": IMAGE}}))
+os.environ.setdefault(
+    f"AIRFLOW_CONN_{CONN_ID.upper()}", json.dumps({"conn_type": "sandbox_docker", "extra": {"image": IMAGE}})
+)
 os.environ.setdefault("AIRFLOW__CORE__UNIT_TEST_MODE", "True")
 
 

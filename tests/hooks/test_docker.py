@@ -35,7 +35,7 @@ from sandbox_provider.sandbox.spec import (
 
 docker = pytest.importorskip("docker")
 
-from sandbox_provider.hooks.docker import (  # noqa: E402
+from sandbox_provider.hooks.docker import (
     SANDBOX_LABEL,
     DockerSandboxBackend,
     DockerSandboxHook,
@@ -122,7 +122,12 @@ def test_constructor_touches_nothing_and_checks_arguments():
         "sandbox_docker_default",
         True,
     )
-    for kwargs in ({"cpus": 0}, {"memory_bytes": -1}, {"pids_limit": True}, {"sandbox_timeout": float("inf")}):
+    for kwargs in (
+        {"cpus": 0},
+        {"memory_bytes": -1},
+        {"pids_limit": True},
+        {"sandbox_timeout": float("inf")},
+    ):
         with pytest.raises(ValueError, match=next(iter(kwargs))):
             DockerSandboxHook(**kwargs)
     with pytest.raises(ValueError, match="pull must be one of"):
@@ -166,7 +171,9 @@ def test_connection_test_reports_the_engine_version(docker_hook):
 
 
 def test_container_is_hardened_labelled_and_limited(docker_hook, docker_sandbox, docker_client):
-    assert docker_sandbox.startswith("airflow-sandbox-") and len(docker_sandbox) == len("airflow-sandbox-") + 12
+    assert (
+        docker_sandbox.startswith("airflow-sandbox-") and len(docker_sandbox) == len("airflow-sandbox-") + 12
+    )
     info = docker_client.api.inspect_container(docker_sandbox)
     host = info["HostConfig"]
     assert info["Config"]["Labels"][SANDBOX_LABEL] == docker_sandbox
@@ -182,7 +189,11 @@ def test_container_is_hardened_labelled_and_limited(docker_hook, docker_sandbox,
     assert not info["Mounts"] and not host.get("Binds")
     assert info["Config"]["WorkingDir"] == "/workspace"
     # Inside: the workdir exists, no Docker socket, and the capability set is the reduced one.
-    result = sh(docker_hook, docker_sandbox, "pwd; test -e /var/run/docker.sock && echo SOCKET; grep CapEff /proc/self/status")
+    result = sh(
+        docker_hook,
+        docker_sandbox,
+        "pwd; test -e /var/run/docker.sock && echo SOCKET; grep CapEff /proc/self/status",
+    )
     assert result.ok, result
     lines = result.stdout.split("\n")
     assert lines[0] == "/workspace" and "SOCKET" not in result.stdout
@@ -248,7 +259,10 @@ def test_open_network_joins_the_bridge(docker_hook, docker_client):
 
 def test_allow_lists_are_refused_with_advice(docker_hook, docker_client):
     before = {c.name for c in docker_client.containers.list(all=True)}
-    for spec in (SandboxSpec(allow_egress_to=["pypi.org"]), SandboxSpec(allow_egress_to_cidrs=["10.0.0.0/8"])):
+    for spec in (
+        SandboxSpec(allow_egress_to=["pypi.org"]),
+        SandboxSpec(allow_egress_to_cidrs=["10.0.0.0/8"]),
+    ):
         with pytest.raises(SandboxTerminalError, match="block_network=False"):
             docker_hook.create(spec=spec)
     assert {c.name for c in docker_client.containers.list(all=True)} == before
@@ -270,14 +284,18 @@ def test_timeout_kills_the_tree_and_keeps_the_sandbox(docker_hook, docker_sandbo
     assert result.timed_out, result
     assert time.monotonic() - began < 15
     assert result.stdout == "started\n"
-    after = sh(docker_hook, docker_sandbox, "kill -0 $(cat /tmp/child.pid) 2>/dev/null && echo alive; ps -eo comm=")
+    after = sh(
+        docker_hook, docker_sandbox, "kill -0 $(cat /tmp/child.pid) 2>/dev/null && echo alive; ps -eo comm="
+    )
     assert after.ok and "alive" not in after.stdout, after
     assert after.stdout.split().count("sleep") == 1, after.stdout  # only the sandbox's own idle process
     assert sh(docker_hook, docker_sandbox, "echo still here").stdout == "still here\n"
 
 
 def test_output_flood_stays_bounded(docker_hook, docker_sandbox):
-    command = "head -c 30000000 /dev/zero | tr '\\0' a; echo; echo END; head -c 5000000 /dev/zero | tr '\\0' e >&2"
+    command = (
+        "head -c 30000000 /dev/zero | tr '\\0' a; echo; echo END; head -c 5000000 /dev/zero | tr '\\0' e >&2"
+    )
     result = sh(docker_hook, docker_sandbox, command, timeout=60, cap=1000)
     assert result.ok, result.stderr[-200:]
     assert len(result.stdout) == 1000 and result.stdout.endswith("\nEND\n") and result.stdout_truncated
@@ -314,7 +332,11 @@ def test_write_and_read_round_trip(docker_hook, docker_shared):
 
 
 def test_write_keeps_mode_and_follows_symlinks(docker_hook, docker_shared):
-    sh(docker_hook, docker_shared, "mkdir -p ln && printf old > ln/target && chmod 755 ln/target && ln -sf target ln/link")
+    sh(
+        docker_hook,
+        docker_shared,
+        "mkdir -p ln && printf old > ln/target && chmod 755 ln/target && ln -sf target ln/link",
+    )
     assert docker_hook.read_file(docker_shared, "ln/link", max_bytes=100) == b"old"
     docker_hook.write_file(docker_shared, "ln/link", b"new")
     result = sh(docker_hook, docker_shared, "cat ln/target; echo; stat -c '%F %a' ln/link ln/target")
@@ -322,7 +344,11 @@ def test_write_keeps_mode_and_follows_symlinks(docker_hook, docker_shared):
 
 
 def test_file_errors(docker_hook, docker_shared):
-    sh(docker_hook, docker_shared, "mkdir -p errs && printf 0123456789 > errs/ten && ln -sf /nowhere errs/dangling")
+    sh(
+        docker_hook,
+        docker_shared,
+        "mkdir -p errs && printf 0123456789 > errs/ten && ln -sf /nowhere errs/dangling",
+    )
     with pytest.raises(SandboxError, match="does not exist"):
         docker_hook.read_file(docker_shared, "errs/missing", max_bytes=10)
     with pytest.raises(SandboxError, match="directory"):
@@ -500,7 +526,9 @@ def test_lifetime_removes_the_sandbox_of_a_killed_creator(docker_conn, docker_cl
     finally:
         if creator.poll() is None:
             creator.kill()
-        for container in docker_client.containers.list(all=True, filters={"label": f"{OWNER_TAG}=dag_killed/run_1"}):
+        for container in docker_client.containers.list(
+            all=True, filters={"label": f"{OWNER_TAG}=dag_killed/run_1"}
+        ):
             container.remove(force=True)
 
 

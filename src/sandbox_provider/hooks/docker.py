@@ -417,7 +417,7 @@ class DockerSandboxHook(SandboxHook):
         kwargs = {
             "image": settings["image"],
             "name": handle,
-            "entrypoint": ["sleep", str(int(math.ceil(lifetime)))],
+            "entrypoint": ["sleep", str(math.ceil(lifetime))],
             "command": [],
             "environment": dict(spec.env or {}),
             "working_dir": self.workdir,
@@ -562,11 +562,13 @@ class DockerSandboxHook(SandboxHook):
         reader.join(budget + KILL_AFTER + WAIT_GRACE)
         abandoned = reader.is_alive()
         if abandoned:
-            log.warning("Command in sandbox %s outlived its deadline; no longer waiting for its output", handle)
+            log.warning(
+                "Command in sandbox %s outlived its deadline; no longer waiting for its output", handle
+            )
             try:
                 stream.close()
-            except Exception:
-                pass
+            except Exception:  # closing a stream the Engine already ended is harmless
+                log.debug("Closing the output stream of sandbox %s failed", handle, exc_info=True)
             reader.join(5)
         elapsed = time.monotonic() - began
         try:
@@ -605,7 +607,9 @@ class DockerSandboxHook(SandboxHook):
 
     def _abs(self, path: str) -> str:
         if not isinstance(path, str) or not path or "\0" in path:
-            raise SandboxError(f"{path!r} is not a usable path; give a non-empty path without NUL characters.")
+            raise SandboxError(
+                f"{path!r} is not a usable path; give a non-empty path without NUL characters."
+            )
         joined = path if path.startswith("/") else posixpath.join(self.workdir, path)
         return posixpath.normpath(joined).replace("//", "/")
 
@@ -618,7 +622,9 @@ class DockerSandboxHook(SandboxHook):
         # The SDK has no call for the archive API's HEAD (the stat ``docker cp`` makes first), so
         # it goes through the SDK's own session, URL builder and error mapping.
         try:
-            res = api.head(api._url("/containers/{0}/archive", handle), params={"path": path}, timeout=API_TIMEOUT)
+            res = api.head(
+                api._url("/containers/{0}/archive", handle), params={"path": path}, timeout=API_TIMEOUT
+            )
             if res.status_code == 404 and "x-docker-container-path-stat" not in res.headers:
                 # A missing path and a missing container both answer 404; tell them apart.
                 if not self._is_running(handle):
@@ -648,8 +654,10 @@ class DockerSandboxHook(SandboxHook):
             target = info.get("linkTarget") or ""
             if not target:
                 return current, info
-            current = target if target.startswith("/") else posixpath.normpath(
-                posixpath.join(posixpath.dirname(current), target)
+            current = (
+                target
+                if target.startswith("/")
+                else posixpath.normpath(posixpath.join(posixpath.dirname(current), target))
             )
         raise SandboxError(f"{path!r} has too many levels of symbolic links.")
 
@@ -777,7 +785,7 @@ class DockerSandboxHook(SandboxHook):
         spooled: IO[bytes] | None = None
         size = _remaining_size(source)
         if size is None:
-            spooled = tempfile.SpooledTemporaryFile(max_size=SPOOL_MEMORY_BYTES)
+            spooled = tempfile.SpooledTemporaryFile(max_size=SPOOL_MEMORY_BYTES)  # noqa: SIM115 (closed below)
             shutil.copyfileobj(source, spooled, CHUNK_BYTES)
             size = spooled.tell()
             spooled.seek(0)
@@ -817,7 +825,9 @@ class DockerSandboxHook(SandboxHook):
             if spooled is not None:
                 spooled.close()
         if sent[0] != size:
-            raise SandboxError(f"The source for {path!r} ended after {sent[0]} of the {size} bytes it reported.")
+            raise SandboxError(
+                f"The source for {path!r} ended after {sent[0]} of the {size} bytes it reported."
+            )
         return size
 
     def _mkdir(self, handle: str, directory: str, path: str) -> None:
@@ -839,7 +849,9 @@ class DockerSandboxHook(SandboxHook):
             raise self._engine_error(err, f"reading sandbox {handle!r}", handle) from err
         labels = dict(info.get("Config", {}).get("Labels") or {})
         if labels.get(SANDBOX_LABEL) != handle:
-            raise SandboxTerminalError(f"Container {handle!r} was not created by this provider; it cannot be attached.")
+            raise SandboxTerminalError(
+                f"Container {handle!r} was not created by this provider; it cannot be attached."
+            )
         state = info.get("State") or {}
         if not state.get("Running"):
             raise SandboxTerminalError(f"Sandbox {handle!r} has ended (status {state.get('Status')!r}).")
@@ -913,7 +925,9 @@ class DockerSandboxHook(SandboxHook):
 
     # -- finding what is left ---------------------------------------------------------------------------
 
-    def list_sandboxes(self, *, owner: str | None = None, dag_id: str | None = None) -> list[DockerSandboxInfo]:
+    def list_sandboxes(
+        self, *, owner: str | None = None, dag_id: str | None = None
+    ) -> list[DockerSandboxInfo]:
         """
         List this provider's sandbox containers on the Engine, running or not.
 
@@ -1007,4 +1021,3 @@ def _remaining_size(source: IO[bytes]) -> int | None:
 
 #: The same class, under the name the public sandbox guide uses for backends.
 DockerSandboxBackend = DockerSandboxHook
-
