@@ -438,9 +438,9 @@ def assert_no_secret(texts: list[str], secret: str) -> None:
 
 
 def test_secret_never_reaches_the_model(local, secret):
-    # 40 bytes shown per stream: the cut of a 60-byte line lands inside the secret.
+    # 40 bytes shown per stream: the cut of the 78-byte line below lands inside the secret.
     toolset = SandboxToolset(local, max_output_bytes=40, max_output_lines=5)
-    long_line = "." * 30 + secret + "," * 15
+    long_line = "." * 30 + secret + "," * 33
     # Enough output that the backend itself drops bytes, and its cut lands inside the secret too.
     backend_cut = 40 + MASK_MARGIN_BYTES
     flood = "." * 100 + secret + "," * (backend_cut - len(secret) // 2)
@@ -464,6 +464,24 @@ def test_secret_never_reaches_the_model(local, secret):
     assert "dropped the start" in texts[3] or "not shown" in texts[3]
     assert "token=***" in texts[4] and texts[5].startswith("Line 4 is wider than the 40B output limit")
     assert "***.txt" in texts[7] and "***" in texts[8] and "token=***" in texts[9]
+
+
+def test_secret_split_by_the_backends_own_cut_is_dropped(local, secret):
+    # The backend keeps the last max_output_bytes + MASK_MARGIN_BYTES of a stream, and this output
+    # makes its cut land inside a secret. Masking shrinks the many whole copies after it enough
+    # that, without dropping the margin, the unmaskable fragment would be within what is shown.
+    toolset = SandboxToolset(local, max_output_bytes=2048)
+    kept_by_backend = 2048 + MASK_MARGIN_BYTES
+    assert kept_by_backend % len(secret) not in (0, len(secret))
+    output = "x" * 100 + secret * 500
+    script = Script([("run_command", {"command": f"printf '%s' '{output}'"})], "ok")
+    agent_with(script, toolset).run_sync("go")
+    (text,) = script.texts()
+    assert_no_secret([text], secret)
+    assert (
+        text.startswith("[stdout]\n[... the sandbox dropped the start of this output") or "not shown" in text
+    )
+    assert text.rstrip().endswith("***")
 
 
 # -- attach ---------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ __all__ = [
     "file_window",
     "format_size",
     "head_lines",
+    "longest_secret_bytes",
     "mask_text",
     "tail_lines",
     "tail_text",
@@ -103,6 +104,20 @@ def mask_text(text: str) -> str:
 
     masked = redact(text)
     return masked if isinstance(masked, str) else str(masked)
+
+
+def longest_secret_bytes() -> int:
+    """
+    An upper bound on the UTF-8 length of the secrets Airflow's masker knows (0 when it knows none).
+
+    A producer that cut a stream may have split a secret at the cut; the piece left is shorter than
+    this, so dropping this many bytes from the start of the masked stream removes it.
+    """
+    from airflow.sdk._shared.secrets_masker import _secrets_masker
+
+    patterns = getattr(_secrets_masker(), "patterns", None) or ()
+    # Each pattern is a secret (or a variant of one) escaped for a regex: never shorter than it.
+    return max((len(p.encode("utf-8")) for p in patterns if isinstance(p, str)), default=0)
 
 
 def _utf8_tail(text: str, max_bytes: int) -> str:

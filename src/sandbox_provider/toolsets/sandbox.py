@@ -28,6 +28,7 @@ from sandbox_provider.sandbox.output import (
     file_window,
     format_size,
     head_lines,
+    longest_secret_bytes,
     mask_text,
     tail_lines,
 )
@@ -38,8 +39,8 @@ from sandbox_provider.sandbox.transfer import DEFAULT_MAX_EXPORT_BYTES, check_tr
 __all__ = ["SandboxToolset"]
 
 #: Extra bytes asked of the backend per stream beyond ``max_output_bytes``. When the backend cut a
-#: stream, this much of its start is discarded, so a secret split by the backend's cut cannot
-#: leave a fragment the masker no longer recognises (secrets up to this size are covered).
+#: stream, up to this much of its (masked) start is discarded, so a secret split by the backend's
+#: cut cannot leave a piece the masker no longer recognises (secrets up to this size are covered).
 MASK_MARGIN_BYTES = 4096
 
 _OPERATIONS = ("run_command", "read_file", "write_file", "list_directory")
@@ -553,12 +554,16 @@ class SandboxToolset(AbstractToolset[Any]):
         return mask_text(text)
 
     def _shape(self, text: str, *, cut: bool) -> str:
+        # Mask before any cut of ours, so no cut can split a secret the masker would have caught.
+        text = mask_text(text)
         if cut:
-            # The backend kept MASK_MARGIN_BYTES more than is shown; drop that much of the start so
-            # no piece of a secret split by the backend's cut survives to be shown.
-            text = drop_head_bytes(text, MASK_MARGIN_BYTES)
+            # The backend cut the start of this stream and may have split a secret there; the piece
+            # left no longer matches, so masking cannot catch it. It lies within the first bytes,
+            # shorter than the longest secret, so drop that many. The backend kept
+            # MASK_MARGIN_BYTES more than is shown, so this costs no output.
+            text = drop_head_bytes(text, min(MASK_MARGIN_BYTES, longest_secret_bytes()))
         return tail_lines(
-            mask_text(text), max_lines=self.max_output_lines, max_bytes=self.max_output_bytes, already_cut=cut
+            text, max_lines=self.max_output_lines, max_bytes=self.max_output_bytes, already_cut=cut
         )
 
     def _run_command(self, session: SandboxSession, command: str, timeout_seconds: Any) -> str:
