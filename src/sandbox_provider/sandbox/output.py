@@ -106,16 +106,20 @@ def mask_text(text: str) -> str:
     return masked if isinstance(masked, str) else str(masked)
 
 
-def longest_secret_bytes() -> int:
+def longest_secret_bytes() -> int | None:
     """
-    An upper bound on the UTF-8 length of the secrets Airflow's masker knows (0 when it knows none).
+    An upper bound on the UTF-8 length of the secrets Airflow's masker knows (0 when it knows none),
+    or None when this Airflow version does not let it be read.
 
     A producer that cut a stream may have split a secret at the cut; the piece left is shorter than
     this, so dropping this many bytes from the start of the masked stream removes it.
     """
-    from airflow.sdk._shared.secrets_masker import _secrets_masker
+    try:
+        from airflow.sdk._shared.secrets_masker import _secrets_masker
 
-    patterns = getattr(_secrets_masker(), "patterns", None) or ()
+        patterns = _secrets_masker().patterns or ()
+    except (ImportError, AttributeError):
+        return None
     # Each pattern is a secret (or a variant of one) escaped for a regex: never shorter than it.
     return max((len(p.encode("utf-8")) for p in patterns if isinstance(p, str)), default=0)
 

@@ -561,7 +561,10 @@ class SandboxToolset(AbstractToolset[Any]):
             # left no longer matches, so masking cannot catch it. It lies within the first bytes,
             # shorter than the longest secret, so drop that many. The backend kept
             # MASK_MARGIN_BYTES more than is shown, so this costs no output.
-            text = drop_head_bytes(text, min(MASK_MARGIN_BYTES, longest_secret_bytes()))
+            longest = longest_secret_bytes()
+            text = drop_head_bytes(
+                text, MASK_MARGIN_BYTES if longest is None else min(MASK_MARGIN_BYTES, longest)
+            )
         return tail_lines(
             text, max_lines=self.max_output_lines, max_bytes=self.max_output_bytes, already_cut=cut
         )
