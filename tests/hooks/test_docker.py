@@ -292,6 +292,26 @@ def test_timeout_kills_the_tree_and_keeps_the_sandbox(docker_hook, docker_sandbo
     assert sh(docker_hook, docker_sandbox, "echo still here").stdout == "still here\n"
 
 
+@pytest.mark.parametrize(
+    "escape",
+    [
+        "setsid sh -c 'sleep 300' > /dev/null 2>&1 &",
+        "nohup sh -c 'sleep 300' > /dev/null 2>&1 &",
+        "(setsid sh -c 'trap \"\" TERM HUP; (setsid sleep 300 &); sleep 300' &);",
+    ],
+    ids=["setsid", "nohup", "double-fork"],
+)
+@pytest.mark.parametrize("ends", ["by-itself", "at-deadline"])
+def test_nothing_a_command_started_outlives_it(docker_hook, docker_sandbox, escape, ends):
+    tail = "exit 0" if ends == "by-itself" else "sleep 60"
+    result = sh(docker_hook, docker_sandbox, f"{escape} {tail}", timeout=3)
+    assert result.timed_out == (ends == "at-deadline"), result
+    assert result.timed_out or result.exit_code == 0, result
+    after = sh(docker_hook, docker_sandbox, "ps -eo comm=")
+    assert after.stdout.split().count("sleep") == 1, after.stdout  # only the sandbox's own idle process
+    assert sh(docker_hook, docker_sandbox, "echo still here").stdout == "still here\n"
+
+
 def test_output_flood_stays_bounded(docker_hook, docker_sandbox):
     command = (
         "head -c 30000000 /dev/zero | tr '\\0' a; echo; echo END; head -c 5000000 /dev/zero | tr '\\0' e >&2"

@@ -167,6 +167,19 @@ class TestCommands:
         listing = run(hook, sandbox, "ls /workspace; echo alive")
         assert listing.stdout.strip() == "alive"  # sandbox still usable, children died before writing
 
+    @pytest.mark.parametrize(
+        "escape",
+        [
+            "setsid sh -c 'sleep 5; echo escaped > /workspace/escaped.txt' > /dev/null 2>&1 &",
+            "nohup sh -c 'sleep 5; echo escaped > /workspace/escaped.txt' > /dev/null 2>&1 &",
+        ],
+        ids=["setsid", "nohup"],
+    )
+    def test_nothing_a_command_started_outlives_it(self, hook, sandbox, escape):
+        assert run(hook, sandbox, f"{escape} exit 0").exit_code == 0
+        time.sleep(6)
+        assert run(hook, sandbox, "ls /workspace").stdout == ""
+
     def test_output_flood_stays_bounded(self, hook, sandbox):
         result = run(hook, sandbox, "head -c 300000000 /dev/zero | tr '\\0' x; echo; echo tail-marker", cap=4096)
         assert result.exit_code == 0

@@ -22,10 +22,12 @@ How the pieces map onto the Engine:
 - **Commands** run through exec under coreutils ``timeout -s KILL`` inside the container, so the
   deadline is enforced where the process tree runs, even with the worker gone: ``timeout`` leads
   its own process group and at the deadline sends SIGKILL to the whole group, which also stops
-  children that ignore SIGTERM or outlive their parent. (A SIGTERM first would not do: once the
-  direct child dies of it, ``timeout`` stops and leaves the rest of the group running.) Only a
-  process that moved itself to a new session escapes. The container stays usable. The worker
-  waits a short grace past the deadline, then stops reading in any case.
+  children that ignore SIGTERM. (A SIGTERM first would not do: once the direct child dies of it,
+  ``timeout`` stops and leaves the rest of the group running.) After the deadline, and after a
+  command that ended by itself, every process the container's init adopted (background jobs,
+  ``nohup`` and ``setsid`` daemons) is killed too, so nothing a command started outlives it. A
+  sandbox therefore runs one command at a time. The container stays usable. The worker waits a
+  short grace past the deadline, then stops reading in any case.
 - **Files** go over the Engine's archive API as tar streams built and read with :mod:`tarfile`,
   one piece at a time, so memory stays bounded whatever the file size. Paths and symbolic links
   are resolved by the Engine inside the container, as a process there would see them.
@@ -103,6 +105,37 @@ _GO_MODE_DIR = 1 << 31
 _GO_MODE_SYMLINK = 1 << 27
 _GO_MODE_TYPE = (1 << 31) | (1 << 27) | (1 << 26) | (1 << 25) | (1 << 24) | (1 << 21) | (1 << 19)
 _SYMLINK_HOPS = 40
+
+
+# Wraps every command. ``timeout`` SIGKILLs the command's process group at the deadline; then, and
+# also when the command ends by itself, every orphan the container's init adopted is killed, round
+# after round, so background jobs, nohup'd and setsid'd processes do not outlive the command (as
+# they cannot on the local backend, whose PID namespace ends with the command). The container's
+# main ``sleep`` is the oldest child of init, which no process can fake; it is spared. Zombies are
+# left to init to reap. Positional arguments: the deadline in seconds, then the command.
+_RUNNER = r"""
+timeout -s KILL "$1" sh -c "$2"
+rc=$?
+sweep() {
+  main=""; oldest=""; found=""
+  for d in /proc/[0-9]*; do
+    read -r s < "$d/stat" 2>/dev/null || continue
+    s=${s##*) }; set -- $s
+    [ "$2" = 1 ] || continue
+    if [ -z "$oldest" ] || [ "${20}" -lt "$oldest" ]; then oldest=${20}; main=${d#/proc/}; fi
+  done
+  for d in /proc/[0-9]*; do
+    read -r s < "$d/stat" 2>/dev/null || continue
+    s=${s##*) }; set -- $s
+    [ "$2" = 1 ] && [ "$1" != Z ] && [ "${d#/proc/}" != "$main" ] || continue
+    kill -9 "${d#/proc/}" 2>/dev/null && found=1
+  done
+  [ -n "$found" ]
+}
+i=0
+while sweep && [ "$i" -lt 50 ]; do i=$((i + 1)); sleep 0.05; done
+exit "$rc"
+"""
 
 
 @dataclass(frozen=True)
@@ -537,7 +570,7 @@ class DockerSandboxHook(SandboxHook):
             if left < budget:
                 budget = applied = max(1.0, left)
         api = self._client().api
-        argv = ["timeout", "-s", "KILL", f"{budget:.3f}", "sh", "-c", command]
+        argv = ["sh", "-c", _RUNNER, "sandbox-run", f"{budget:.3f}", command]
         try:
             exec_id = api.exec_create(handle, argv, stdout=True, stderr=True, stdin=False, tty=False)["Id"]
             began = time.monotonic()
