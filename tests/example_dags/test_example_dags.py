@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import csv
-import io
 import os
-import zipfile
-from collections import defaultdict
-from pathlib import Path
 from unittest import mock
 
 import pytest
 from airflow.sdk import BaseHook
 
-import sandbox_provider.example_dags
 from dag_runs import EXAMPLE_DIR, independent_carrier_stats, load_bag, run_example, task_states
 
 EXAMPLES = sorted(EXAMPLE_DIR.glob("example_*.py"))

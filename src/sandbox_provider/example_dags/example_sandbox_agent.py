@@ -18,13 +18,12 @@ up when the agent task runs, never when this file is parsed. ``output_base`` def
 
 from __future__ import annotations
 
-import os
 from datetime import UTC, datetime
-from pathlib import Path
 
 from airflow.providers.common.ai.operators.agent import AgentOperator
 from airflow.sdk import DAG, ObjectStoragePath, Param, TriggerRule, task
 
+from sandbox_provider.example_dags._output import output_base
 from sandbox_provider.hooks.local import LocalSandboxHook
 from sandbox_provider.operators.sandbox import SandboxOperator
 from sandbox_provider.toolsets import SandboxToolset
@@ -41,10 +40,6 @@ A-1003;Initech Ltd;31.01.2024;12.000,00;GB
 """
 
 
-def _output_base() -> str:
-    base = os.environ.get("SANDBOX_DEMO_OUTPUT") or "/tmp/airflow-sandbox-demo"
-    return base.rstrip("/") if "://" in base else Path(base).absolute().as_uri()
-
 
 DAG_ARGS = {
     "schedule": None,
@@ -52,7 +47,7 @@ DAG_ARGS = {
     "catchup": False,
     "tags": ["example", "sandbox", "agent"],
     "params": {
-        "output_base": Param(_output_base(), type="string", description="Storage URL for the results.")
+        "output_base": Param(output_base(), type="string", description="Storage URL for the results.")
     },
     "doc_md": __doc__,
 }

@@ -18,20 +18,15 @@ The findings go to ``<output_base>/<run_id>/findings.json``; ``output_base`` def
 
 from __future__ import annotations
 
-import os
 from datetime import UTC, datetime
-from pathlib import Path
 
 from airflow.sdk import DAG, Param, TriggerRule, task
 
+from sandbox_provider.example_dags._output import output_base
 from sandbox_provider.operators.sandbox import SandboxOperator
 
 HANDLE = "{{ ti.xcom_pull(task_ids='provision') }}"
 
-
-def _output_base() -> str:
-    base = os.environ.get("SANDBOX_DEMO_OUTPUT") or "/tmp/airflow-sandbox-demo"
-    return base.rstrip("/") if "://" in base else Path(base).absolute().as_uri()
 
 
 with DAG(
@@ -40,7 +35,7 @@ with DAG(
     start_date=datetime(2024, 1, 1, tzinfo=UTC),
     catchup=False,
     tags=["example", "sandbox"],
-    params={"output_base": Param(_output_base(), type="string", description="Storage URL for the findings.")},
+    params={"output_base": Param(output_base(), type="string", description="Storage URL for the findings.")},
     doc_md=__doc__,
 ) as dag:
     provision = SandboxOperator(

