@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -36,6 +37,7 @@ from sandbox_provider.sandbox.spec import (
 docker = pytest.importorskip("docker")
 
 from sandbox_provider.hooks.docker import (
+    MAX_COMMAND_SECONDS,
     SANDBOX_LABEL,
     DockerSandboxBackend,
     DockerSandboxHook,
@@ -336,6 +338,65 @@ def test_command_deadline_is_clamped_to_the_lifetime(docker_conn):
         hook.destroy(handle)
 
 
+def test_a_tiny_timeout_is_still_a_deadline(docker_hook, docker_sandbox):
+    # 0.0004 s must not reach coreutils as "0.000", which it reads as no deadline at all.
+    began = time.monotonic()
+    result = sh(docker_hook, docker_sandbox, "sleep 30", timeout=0.0004)
+    assert result.timed_out and result.exit_code == 137, result
+    assert time.monotonic() - began < 5
+    after = sh(docker_hook, docker_sandbox, "ps -eo comm=")
+    assert after.stdout.split().count("sleep") == 1, after.stdout  # only the sandbox's own idle process
+
+
+def test_a_hook_that_did_not_create_the_sandbox_clamps_huge_deadlines(docker_conn, docker_client):
+    creator = DockerSandboxHook(docker_conn, sandbox_timeout=60, pull="never")
+    handle = creator.create()
+    try:
+        other = DockerSandboxHook(docker_conn)  # another task's hook: it knows nothing of the lifetime
+        result = sh(other, handle, "echo hi", timeout=1e300)
+        assert result.ok and result.stdout == "hi\n", result
+        assert result.applied_timeout is not None and 0 < result.applied_timeout <= 60
+        assert sh(other, handle, "true", timeout=5).applied_timeout is None  # shorter than the lifetime
+    finally:
+        creator.destroy(handle)
+    # A container of this provider that carries no expiry stamp still gets a finite deadline.
+    name = "airflow-sandbox-" + secrets.token_hex(6)
+    bare = docker_client.containers.run(
+        IMAGE, ["sleep", "300"], name=name, labels={SANDBOX_LABEL: name}, detach=True, init=True
+    )
+    try:
+        result = sh(DockerSandboxHook(docker_conn), name, "echo hi", timeout=1e300)
+        assert result.ok and result.applied_timeout == MAX_COMMAND_SECONDS, result
+    finally:
+        bare.remove(force=True)
+
+
+def test_commands_and_paths_that_cannot_be_sent_are_refused_first(docker_hook, docker_shared):
+    with pytest.raises(SandboxError, match="NUL"):
+        sh(docker_hook, docker_shared, "touch /tmp/nul-ran\0 ignored")
+    with pytest.raises(SandboxError, match="UTF-8"):
+        sh(docker_hook, docker_shared, "touch /tmp/bad-\udce9")
+    assert sh(docker_hook, docker_shared, "ls /tmp").stdout.split().count("nul-ran") == 0
+    bad_utf8 = "caf\udce9.txt"  # os.fsdecode of b"caf\xe9.txt"
+    for call in (
+        lambda p: docker_hook.write_file(docker_shared, p, b"x"),
+        lambda p: docker_hook.read_file(docker_shared, p, max_bytes=10),
+        lambda p: docker_hook.export_file(docker_shared, p, io.BytesIO(), max_bytes=10),
+        lambda p: docker_hook.list_directory(docker_shared, p),
+    ):
+        with pytest.raises(SandboxError, match="must be valid UTF-8") as info:
+            call(bad_utf8)
+        assert "surrogates not allowed" not in str(info.value) and "refused" not in str(info.value)
+        with pytest.raises(SandboxError, match="NUL"):
+            call("a\0b")
+    for call in (
+        lambda p: docker_hook.write_file(docker_shared, p, b"x"),
+        lambda p: docker_hook.read_file(docker_shared, p, max_bytes=10),
+    ):
+        with pytest.raises(SandboxError, match="path is empty"):
+            call("")
+
+
 # -- files ----------------------------------------------------------------------------------------------
 
 
@@ -467,6 +528,59 @@ def test_stamps_attach_and_release(docker_conn):
         creator.read_tags(handle)
 
 
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        "rm -rf /.airflow-sandbox && echo x > /.airflow-sandbox",
+        "rm -f /.airflow-sandbox/tags.json && ln -s /etc/passwd /.airflow-sandbox/tags.json",
+        "rm -f /.airflow-sandbox/tags.json && ln -s tags.json /.airflow-sandbox/tags.json",
+        "rm -f /.airflow-sandbox/tags.json && mkdir /.airflow-sandbox/tags.json",
+        "rm -f /.airflow-sandbox/tags.json && mkfifo /.airflow-sandbox/tags.json",
+        "echo garbage > /.airflow-sandbox/tags.json",
+        "printf '\\377\\376' > /.airflow-sandbox/tags.json",
+        ": > /.airflow-sandbox/tags.json",
+        "echo '[\"airflow_holder\"]' > /.airflow-sandbox/tags.json",
+        "echo '{\"airflow_holder\": 7}' > /.airflow-sandbox/tags.json",
+        "head -c 100000 /dev/zero | tr '\\0' ' ' > /.airflow-sandbox/tags.json",
+    ],
+    ids=[
+        "dir-is-file", "symlink", "symlink-loop", "directory", "fifo", "garbage", "not-utf8", "empty", "list",
+        "non-string", "huge",
+    ],
+)
+def test_a_tampered_holder_stamp_is_reported_legibly(docker_conn, tamper):
+    creator = DockerSandboxHook(docker_conn, pull="never")
+    handle = creator.create(spec=SandboxSpec(owner="dag_t/run_1"))
+    try:
+        creator.attach(handle, owner="dag_t/run_1", holder="dag_t/run_1/t1")
+        assert sh(creator, handle, tamper).ok
+        other = DockerSandboxHook(docker_conn)
+        for call in (
+            lambda: other.read_tags(handle),
+            lambda: other.attach(handle, owner="dag_t/run_1", holder="dag_t/run_1/t2"),
+        ):
+            with pytest.raises(SandboxTerminalError, match=rf"{handle}.*tampered with from inside") as info:
+                call()
+            assert "status 500" not in str(info.value)
+    finally:
+        creator.destroy(handle)
+
+
+def test_the_owner_label_outranks_the_stamp_file(docker_conn):
+    creator = DockerSandboxHook(docker_conn, pull="never")
+    handle = creator.create(spec=SandboxSpec(owner="dag_t/run_1"))
+    try:
+        forged = json.dumps({OWNER_TAG: "dag_evil/run_1", HOLDER_TAG: "dag_evil/run_1/t"})
+        stamp_file = "/.airflow-sandbox/tags.json"
+        sh(creator, handle, f"mkdir -p /.airflow-sandbox && printf %s '{forged}' > {stamp_file}")
+        tags = DockerSandboxHook(docker_conn).read_tags(handle)
+        assert tags[OWNER_TAG] == "dag_t/run_1" and tags[HOLDER_TAG] == "dag_evil/run_1/t"
+        with pytest.raises(SandboxTerminalError, match="not owned by 'dag_evil/run_1'"):
+            DockerSandboxHook(docker_conn).attach(handle, owner="dag_evil/run_1", holder="dag_evil/run_1/t")
+    finally:
+        creator.destroy(handle)
+
+
 def test_destroy_twice_and_use_after_destroy(docker_hook, docker_client):
     handle = docker_hook.create()
     docker_hook.destroy(handle)
@@ -481,6 +595,39 @@ def test_destroy_twice_and_use_after_destroy(docker_hook, docker_client):
         docker_hook.write_file(handle, "x", b"1")
     with pytest.raises(ValueError, match="not a Docker sandbox handle"):
         docker_hook.destroy("some-other-container")
+
+
+def test_handles_cannot_reach_another_container(docker_hook, docker_client):
+    # The SDK puts a handle into the request path unescaped and the Engine resolves "..", so a
+    # handle with the right prefix and a traversal would name any container on the Engine.
+    victim_name = "not-a-sandbox-" + secrets.token_hex(4)
+    victim = docker_client.containers.run(IMAGE, ["sleep", "300"], name=victim_name, detach=True)
+    try:
+        for handle in (
+            f"airflow-sandbox-x/../{victim_name}",
+            f"airflow-sandbox-/../../containers/{victim_name}",
+            f"airflow-sandbox-x/..%2F{victim_name}",
+            "airflow-sandbox-x y",
+            "airflow-sandbox-x\n",
+        ):
+            for call in (
+                lambda h: docker_hook.destroy(h),
+                lambda h: docker_hook.read_tags(h),
+                lambda h: docker_hook.write_tags(h, {}),
+                lambda h: sh(docker_hook, h, "touch /tmp/reached"),
+                lambda h: docker_hook.read_file(h, "/etc/hostname", max_bytes=100),
+                lambda h: docker_hook.write_file(h, "/tmp/reached", b"x"),
+                lambda h: docker_hook.list_directory(h, "/"),
+                lambda h: docker_hook.attach(h, owner="o", holder="h"),
+                lambda h: docker_hook.release(h, holder="h"),
+            ):
+                with pytest.raises(ValueError, match="followed by letters, digits"):
+                    call(handle)
+        victim.reload()
+        assert victim.status == "running"
+        assert victim.exec_run(["ls", "/tmp"]).output.split().count(b"reached") == 0
+    finally:
+        victim.remove(force=True)
 
 
 def test_list_and_remove_leftovers(docker_hook):

@@ -40,6 +40,7 @@ import json
 import logging
 import math
 import posixpath
+import re
 import shutil
 import tarfile
 import tempfile
@@ -63,6 +64,7 @@ from sandbox_provider.sandbox.spec import (
     check_handle,
     check_positive,
     encode_network_policy,
+    handle_is_plain_name,
     new_sandbox_name,
 )
 
@@ -89,6 +91,12 @@ KEPT_CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGI
 KILL_AFTER = 2.0
 #: Seconds the worker waits past a deadline for the Engine to end the command's stream.
 WAIT_GRACE = 10.0
+#: Longest deadline sent for a command when the sandbox's own end is unknown (30 days).
+MAX_COMMAND_SECONDS = 30 * 24 * 3600.0
+#: Shortest deadline sent: coreutils ``timeout`` reads a deadline of 0 as none at all.
+MIN_COMMAND_SECONDS = 0.001
+#: Largest holder stamp file read back; the provider writes a few hundred bytes.
+TAGS_MAX_BYTES = 64 * 1024
 #: Bytes per piece when moving files.
 CHUNK_BYTES = 1024 * 1024
 #: Sources up to this size are spooled in memory before upload; larger ones go to a temp file.
@@ -105,6 +113,8 @@ _GO_MODE_DIR = 1 << 31
 _GO_MODE_SYMLINK = 1 << 27
 _GO_MODE_TYPE = (1 << 31) | (1 << 27) | (1 << 26) | (1 << 25) | (1 << 24) | (1 << 21) | (1 << 19)
 _SYMLINK_HOPS = 40
+#: The characters a container name may hold, as the Engine allows them.
+_HANDLE_CHARS = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 # Wraps every command. ``timeout`` SIGKILLs the command's process group at the deadline; then, and
@@ -388,11 +398,15 @@ class DockerSandboxHook(SandboxHook):
 
     @staticmethod
     def _check_handle(handle: str) -> str:
+        # The SDK puts the name into the request path as it is, and the Engine resolves ``..`` in
+        # it, so anything but one plain name component could reach another container. (The
+        # character check also refuses a trailing newline, which a ``$``-anchored pattern lets by.)
         check_handle(handle)
-        if not handle.startswith(SANDBOX_NAME_PREFIX):
+        if not _is_docker_handle(handle):
             raise ValueError(
-                f"{handle!r} is not a Docker sandbox handle; handles are the names create() returns, "
-                f"starting with {SANDBOX_NAME_PREFIX!r}."
+                f"{handle!r} is not a Docker sandbox handle. A handle is the container name create() returned: "
+                f"{SANDBOX_NAME_PREFIX!r} followed by letters, digits, '.', '_' or '-' (no '/' and no spaces), "
+                f"such as {SANDBOX_NAME_PREFIX + '0123456789ab'!r}."
             )
         return handle
 
@@ -547,30 +561,48 @@ class DockerSandboxHook(SandboxHook):
         Run ``command`` with ``sh -c`` in the sandbox's working directory.
 
         The deadline is enforced inside the container by coreutils ``timeout``, which sends SIGKILL
-        to the command's whole process group. When the lifetime this hook knows of
-        ends sooner, the deadline is shortened to it and reported as ``applied_timeout``.
+        to the command's whole process group. It is rounded up to whole milliseconds (never 0,
+        which ``timeout`` would read as no deadline). When the sandbox's lifetime ends sooner, the
+        deadline is shortened to it and reported as ``applied_timeout``; a hook that did not
+        create the sandbox reads the lifetime from the container's expiry label once. Without a
+        known lifetime, deadlines are capped at 30 days.
 
         :param timeout: seconds before the command's process tree is killed.
         :param max_output_bytes: bytes kept per stream (the tail), applied while reading.
-        :raises SandboxTerminalError: if the sandbox is gone or not running, or the Engine is
-            unreachable.
+        :raises SandboxError: for an empty command, or one holding NUL or text that is not UTF-8.
+        :raises SandboxTerminalError: if the sandbox is gone or not running, was not created by
+            this provider, or the Engine is unreachable.
         """
         self._check_handle(handle)
         check_positive(timeout, "timeout")
         check_positive(max_output_bytes, "max_output_bytes")
         if not isinstance(command, str) or not command.strip():
             raise SandboxError("command must be a non-empty shell command string.")
+        if "\0" in command:
+            raise SandboxError(
+                "command contains a NUL character, which a command line cannot carry; remove it (write binary "
+                "data with write_file instead)."
+            )
+        if not _is_utf8(command):
+            raise SandboxError(
+                "command must be valid UTF-8 text; it holds characters that cannot be encoded (undecodable "
+                "bytes carried as surrogates)."
+            )
         budget = float(timeout)
         applied: float | None = None
-        expires = self._expiry.get(handle)
-        if expires is not None:
-            left = expires - time.time()
-            if left <= 0:
-                raise SandboxTerminalError(f"Sandbox {handle!r} has reached the end of its lifetime.")
-            if left < budget:
-                budget = applied = max(1.0, left)
+        left = self._expiry.get(handle)
+        if left is None:
+            left = self._read_expiry(handle)
+        left -= time.time()
+        if left <= 0:
+            raise SandboxTerminalError(f"Sandbox {handle!r} has reached the end of its lifetime.")
+        left = min(left, MAX_COMMAND_SECONDS)
+        if left < budget:
+            budget = applied = max(1.0, left)
+        deadline = _deadline_arg(budget)
+        budget = float(deadline)
         api = self._client().api
-        argv = ["sh", "-c", _RUNNER, "sandbox-run", f"{budget:.3f}", command]
+        argv = ["sh", "-c", _RUNNER, "sandbox-run", deadline, command]
         try:
             exec_id = api.exec_create(handle, argv, stdout=True, stderr=True, stdin=False, tty=False)["Id"]
             began = time.monotonic()
@@ -626,6 +658,12 @@ class DockerSandboxHook(SandboxHook):
             applied_timeout=applied,
         )
 
+    def _read_expiry(self, handle: str) -> float:
+        """The sandbox's end (Unix time) from its expiry label, cached; infinity when it carries none."""
+        expires = _expiry_of(self._container_labels(handle))
+        self._expiry[handle] = expires
+        return expires
+
     def _is_running(self, handle: str) -> bool:
         import docker.errors
 
@@ -639,9 +677,18 @@ class DockerSandboxHook(SandboxHook):
     # -- files -----------------------------------------------------------------------------------------
 
     def _abs(self, path: str) -> str:
-        if not isinstance(path, str) or not path or "\0" in path:
+        if not isinstance(path, str):
+            raise SandboxError(f"A path must be a string, got {type(path).__name__} {path!r}.")
+        if not path:
             raise SandboxError(
-                f"{path!r} is not a usable path; give a non-empty path without NUL characters."
+                "The path is empty; name a file, relative to the sandbox's working directory or absolute."
+            )
+        if "\0" in path:
+            raise SandboxError(f"{path!r} contains a NUL character, which no path in the sandbox can hold.")
+        if not _is_utf8(path):
+            raise SandboxError(
+                f"{path!r} is not valid UTF-8 (it carries undecodable bytes as surrogates); paths in a Docker "
+                "sandbox must be valid UTF-8 text."
             )
         joined = path if path.startswith("/") else posixpath.join(self.workdir, path)
         return posixpath.normpath(joined).replace("//", "/")
@@ -777,6 +824,16 @@ class DockerSandboxHook(SandboxHook):
         check_export_size(path, size, copied)
         return copied
 
+    def list_directory(self, handle: str, path: str = ".") -> list[tuple[str, bool]]:
+        """
+        List the entries of the directory at ``path`` as ``(name, is_directory)`` pairs, sorted by name.
+
+        :raises SandboxError: if ``path`` is unusable, missing or not a directory.
+        """
+        self._check_handle(handle)
+        self._abs(path)
+        return super().list_directory(handle, path)
+
     def write_file(self, handle: str, path: str, data: bytes) -> None:
         """
         Write ``data`` to ``path``, creating parent directories and replacing what was there
@@ -899,24 +956,57 @@ class DockerSandboxHook(SandboxHook):
         """
         labels = self._container_labels(handle)
         tags = {key: labels[key] for key in _LABEL_STAMPS if key in labels}
-        try:
-            self._expiry[handle] = float(tags[EXPIRES_AT_TAG])
-        except (KeyError, ValueError):
-            pass
-        buffer = io.BytesIO()
-        info = self._stat(handle, TAGS_FILE)
-        if info is not None:
-            self._download(handle, TAGS_FILE, TAGS_FILE, buffer, 1024 * 1024)
-            try:
-                stored = json.loads(buffer.getvalue() or b"{}")
-            except ValueError:
-                log.warning("Sandbox %s has an unreadable stamp file; treating it as empty", handle)
-                stored = {}
-            if isinstance(stored, dict):
-                for key, value in stored.items():
-                    if key not in _LABEL_STAMPS and isinstance(key, str) and isinstance(value, str):
-                        tags[key] = value
+        self._expiry[handle] = _expiry_of(labels)
+        for key, value in self._read_stamp_file(handle).items():
+            if key not in _LABEL_STAMPS:  # the labels stay the authority for what they hold
+                tags[key] = value
         return tags
+
+    def _read_stamp_file(self, handle: str) -> dict[str, str]:
+        """The changeable stamps from the file inside the sandbox; empty when there is none yet."""
+
+        def tampered(what: str) -> SandboxTerminalError:
+            return SandboxTerminalError(
+                f"The holder stamp of Docker sandbox {handle!r} was tampered with from inside the sandbox: "
+                f"{TAGS_FILE} {what}, but the provider keeps a regular JSON file of string pairs there. Code "
+                "running in the sandbox changed it, so who holds the sandbox cannot be told. Destroy the "
+                "sandbox and provision a new one."
+            )
+
+        try:
+            info = self._stat(handle, TAGS_FILE)
+        except SandboxTerminalError:
+            raise
+        except SandboxError:  # a part of the path is no longer a directory
+            raise tampered("cannot be looked up") from None
+        if info is None:
+            return {}
+        mode = int(info.get("mode", 0))
+        if mode & _GO_MODE_TYPE:
+            kind = "not a regular file"
+            if mode & _GO_MODE_SYMLINK:
+                kind = "a symbolic link"
+            elif mode & _GO_MODE_DIR:
+                kind = "a directory"
+            raise tampered(f"is {kind}")
+        if int(info.get("size", 0)) > TAGS_MAX_BYTES:
+            raise tampered(f"holds {int(info.get('size', 0))} bytes, more than any stamp file")
+        buffer = io.BytesIO()
+        try:
+            self._download(handle, TAGS_FILE, TAGS_FILE, buffer, TAGS_MAX_BYTES)
+        except SandboxTerminalError:
+            raise
+        except SandboxError as err:  # replaced between the look-up and the read
+            raise tampered(f"could not be read as a regular file ({err})") from None
+        try:
+            stored = json.loads(buffer.getvalue().decode("utf-8"))
+        except ValueError:  # JSON and UTF-8 errors alike
+            raise tampered("is not JSON") from None
+        if not isinstance(stored, dict) or not all(
+            isinstance(key, str) and isinstance(value, str) for key, value in stored.items()
+        ):
+            raise tampered("is JSON but not an object of string pairs")
+        return stored
 
     def write_tags(self, handle: str, tags: Mapping[str, str]) -> None:
         """
@@ -928,8 +1018,13 @@ class DockerSandboxHook(SandboxHook):
         so it (with any other stamp not among those four) lives in a small JSON file at
         ``/.airflow-sandbox/tags.json`` inside the container, written and read over the archive
         API. Any process that reaches the Engine can read it, it goes away with the container, and
-        it needs no store beside the Engine. Code in the sandbox can rewrite that file, which is
-        acceptable because the holder is attribution, not a lock; the owner stays in a label.
+        it needs no store beside the Engine.
+
+        Code running in the sandbox can rewrite or delete that file, so the holder stamp is
+        attribution, not a lock: it catches one task attaching to a sandbox another still uses,
+        not a sandbox that clears its own claim. The owner, which attach checks, stays in a label
+        out of the sandbox's reach. A stamp file replaced by something other than the JSON written
+        here makes :meth:`read_tags` fail with :class:`SandboxTerminalError`.
 
         :raises SandboxTerminalError: if the sandbox is missing or ended, or ``tags`` changes or
             drops a stamp fixed at create.
@@ -1001,6 +1096,11 @@ class DockerSandboxHook(SandboxHook):
         """
         removed = []
         for info in self.list_sandboxes(owner=owner, dag_id=dag_id):
+            if not _is_docker_handle(info.handle):
+                log.warning(
+                    "Skipping container %r: its %s label is not a usable handle", info.handle, SANDBOX_LABEL
+                )
+                continue
             if info.expired(now) or info.status in ("exited", "dead"):
                 self.destroy(info.handle)
                 removed.append(info.handle)
@@ -1037,6 +1137,40 @@ def _flag(value: Any) -> bool | None:
     if isinstance(value, str):
         return value.strip().lower() in ("1", "true", "yes", "on")
     return bool(value)
+
+
+def _is_docker_handle(handle: str) -> bool:
+    """True for a name with this provider's prefix that is one plain container name, nothing more."""
+    return (
+        handle.startswith(SANDBOX_NAME_PREFIX)
+        and handle_is_plain_name(handle)
+        and _HANDLE_CHARS.fullmatch(handle) is not None
+    )
+
+
+def _expiry_of(labels: Mapping[str, str]) -> float:
+    """The Unix time a sandbox ends, from its expiry label; infinity when it carries no usable one."""
+    try:
+        expires = float(labels[EXPIRES_AT_TAG])
+    except (KeyError, ValueError):
+        return math.inf
+    return math.inf if math.isnan(expires) else expires
+
+
+def _deadline_arg(seconds: float) -> str:
+    """The deadline as coreutils ``timeout`` reads it, rounded up to whole milliseconds and never 0."""
+    # The small allowance keeps float noise (1.1 * 1000 = 1100.0000000000002) from adding a millisecond.
+    millis = max(math.ceil(seconds * 1000 - 1e-6), round(MIN_COMMAND_SECONDS * 1000))
+    return f"{millis // 1000}.{millis % 1000:03d}"
+
+
+def _is_utf8(text: str) -> bool:
+    """False for a string carrying undecodable bytes as surrogates (``os.fsdecode`` of non-UTF-8 names)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _remaining_size(source: IO[bytes]) -> int | None:
