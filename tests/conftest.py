@@ -44,3 +44,17 @@ def migrated_airflow_db():
         [sys.executable, "-m", "airflow", "db", "migrate"], check=True, env=dict(os.environ), capture_output=True
     )
     return _HOME
+
+
+@pytest.fixture(autouse=True)
+def _sandbox_can_reach_tmp_path(request):
+    """
+    As root, the local backend runs sandboxes as an unprivileged user, which must be able to pass
+    through the directories above a sandbox's state root; pytest makes its temporary folders 0700.
+    """
+    if os.geteuid() == 0 and "tmp_path" in request.fixturenames:
+        path = request.getfixturevalue("tmp_path")
+        for folder in (path, *path.parents):
+            if str(folder) in ("/", tempfile.gettempdir()):
+                break
+            folder.chmod(folder.stat().st_mode | 0o111)

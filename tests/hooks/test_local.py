@@ -222,6 +222,53 @@ class TestCommands:
         finally:
             hook.destroy(handle)
 
+    def test_process_limit_stops_a_fork_bomb(self, tmp_path):
+        hook = LocalSandboxHook(state_root=str(tmp_path / "s"), max_processes=40)
+        handle = hook.create()
+        try:
+            bomb = (
+                "import os, time\n"
+                "children = 0\n"
+                "for _ in range(200):\n"
+                "    try:\n"
+                "        pid = os.fork()\n"
+                "    except OSError:\n"
+                "        break\n"
+                "    if pid == 0:\n"
+                "        time.sleep(3)\n"
+                "        os._exit(0)\n"
+                "    children += 1\n"
+                "print(children)\n"
+            )
+            hook.write_file(handle, "bomb.py", bomb.encode())
+            result = run(hook, handle, "python3 bomb.py", timeout=60)
+            assert 0 < int(result.stdout) < 40, result
+        finally:
+            hook.destroy(handle)
+
+    def test_default_process_limit_applies(self, hook, sandbox):
+        assert "Max processes             1024" in run(hook, sandbox, "cat /proc/self/limits").stdout
+
+    def test_file_size_limit(self, tmp_path):
+        hook = LocalSandboxHook(state_root=str(tmp_path / "s"), max_file_bytes=1000)
+        handle = hook.create()
+        try:
+            result = run(hook, handle, "head -c 1000 /dev/zero > ok; head -c 1001 /dev/zero > big; echo $?")
+            assert result.stdout.strip() != "0"
+            assert run(hook, handle, "wc -c < ok").stdout.strip() == "1000"
+        finally:
+            hook.destroy(handle)
+
+    @pytest.mark.skipif(os.geteuid() != 0, reason="only a root worker hands sandboxes to another user")
+    def test_root_worker_runs_sandboxes_unprivileged(self, hook, sandbox):
+        assert run(hook, sandbox, "id -u; touch made-here").stdout.strip() != "0"
+        made = os.stat(os.path.join(hook.state_root, sandbox, "workspace", "made-here"))
+        assert made.st_uid == hook.sandbox_uid != 0
+
+    def test_bwrap_starts_with_a_fixed_environment(self, hook, sandbox, monkeypatch):
+        result = run(hook, sandbox, "tr '\\0' '\\n' < /proc/1/environ")
+        assert result.stdout.split() == ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]
+
     def test_missing_bwrap_names_the_package(self, tmp_path):
         hook = LocalSandboxHook(state_root=str(tmp_path / "s"), bwrap_path="bwrap-not-installed")
         with pytest.raises(SandboxTerminalError, match="'bubblewrap' package"):
@@ -344,6 +391,28 @@ class TestLifetimeAndAttach:
         with pytest.raises(SandboxTerminalError):
             other.attach(handle, owner="dag/run1", holder="dag/run1/agent")
 
+    def test_concurrent_attach_admits_exactly_one(self, hook):
+        from concurrent.futures import ThreadPoolExecutor
+
+        for _ in range(10):
+            handle = hook.create(spec=SandboxSpec(owner="d/r"))
+            barrier = threading.Barrier(4)
+
+            def claim(holder):
+                other = LocalSandboxHook(state_root=hook.state_root)
+                barrier.wait()
+                try:
+                    other.attach(handle, owner="d/r", holder=holder)
+                    return holder
+                except SandboxTerminalError:
+                    return None
+
+            with ThreadPoolExecutor(4) as pool:
+                winners = [w for w in pool.map(claim, ["d/r/a", "d/r/b", "d/r/c", "d/r/d"]) if w]
+            assert len(winners) == 1
+            assert hook.read_tags(handle)[HOLDER_TAG] == winners[0]
+            hook.destroy(handle)
+
     def test_unowned_sandbox_refuses_attach(self, hook, sandbox):
         with pytest.raises(SandboxTerminalError, match="carries no owner"):
             hook.attach(sandbox, owner="dag/run", holder="dag/run/t")
@@ -386,5 +455,11 @@ class TestConnection:
             LocalSandboxHook(sandbox_timeout=0)
         with pytest.raises(ValueError, match="memory_bytes"):
             LocalSandboxHook(memory_bytes=-5)
-        with pytest.raises(ValueError, match="workdir"):
-            LocalSandboxHook(workdir="relative")
+        for bad in ("relative", "/workspace/../tmp", "/usr/work", "/", "/etc"):
+            with pytest.raises(ValueError, match="workdir"):
+                LocalSandboxHook(workdir=bad)
+        assert LocalSandboxHook(workdir="/work/./dir/").workdir == "/work/dir"
+
+    def test_unusable_state_root_is_terminal(self):
+        with pytest.raises(SandboxTerminalError, match="state_root"):
+            LocalSandboxHook(state_root="/etc/passwd").create()

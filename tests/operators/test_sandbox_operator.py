@@ -191,7 +191,8 @@ def test_unknown_connection_type_fails_before_provisioning(add_connection, monke
         ({"command": None}, "only with keep_sandbox=True"),
         ({"timeout": 0}, "timeout must be a positive"),
         ({"timeout": -5}, "timeout must be a positive"),
-        ({"max_output_bytes": 0}, "max_output_bytes must be a positive"),
+        ({"max_output_bytes": 0}, "max_output_bytes must be a whole, positive number of bytes"),
+        ({"max_output_bytes": 1.5}, "max_output_bytes must be a whole, positive number of bytes"),
         (
             {"exports": {"out.txt": "out.txt"}},
             r"exports\['out.txt'\] is 'out.txt', which is not a storage URL",

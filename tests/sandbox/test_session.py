@@ -162,3 +162,57 @@ def test_spec_validation():
     spec = SandboxSpec(env=env)
     env["A"] = "2"
     assert spec.env["A"] == "1"
+
+
+def test_export_to_a_directory_is_refused_before_copying(hook, tmp_path):
+    first = tmp_path / "first.txt"
+    first.write_text("earlier")
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(SandboxTerminalError, match="is a directory. Name a file"):
+        with SandboxSession(hook, exports={"a": first.as_uri(), "b": (tmp_path / "adir").as_uri()}) as session:
+            session.run("echo new > a; echo b > b", timeout=30, max_output_bytes=100)
+    assert first.read_text() == "earlier"
+    assert list((tmp_path / "adir").iterdir()) == []
+
+
+def test_two_exports_to_one_destination_refused(hook, tmp_path):
+    with pytest.raises(ValueError, match="sends both 'a' and 'b'"):
+        SandboxSession(hook, exports={"a": f"file://{tmp_path}/x", "b": f"file://{tmp_path}/x"})
+
+
+def test_unknown_scheme_refused_before_provisioning(hook):
+    session = SandboxSession(hook, exports={"a": "nosuchscheme://bucket/key"})
+    with pytest.raises(ValueError, match=r"exports\['a'\].*'nosuchscheme'"):
+        session.open()
+    assert session.handle is None and sandboxes(hook) == []
+
+
+def test_empty_or_nul_paths_are_clear_errors(hook):
+    from sandbox_provider.sandbox import SandboxError
+
+    handle = hook.create()
+    try:
+        for bad in ("", "a\0b"):
+            with pytest.raises(SandboxError, match="not a usable path"):
+                hook.write_file(handle, bad, b"x")
+            with pytest.raises(SandboxError, match="not a usable path"):
+                hook.read_file(handle, bad, max_bytes=10)
+        with pytest.raises(ValueError, match="whole, positive number of bytes"):
+            hook.read_file(handle, "x", max_bytes=0.5)
+    finally:
+        hook.destroy(handle)
+
+
+def test_listing_too_large_is_an_error_not_a_silent_cut(hook, monkeypatch):
+    from sandbox_provider.sandbox import SandboxError
+    from sandbox_provider.sandbox import hook as hook_module
+
+    handle = hook.create()
+    try:
+        hook.run_command(handle, "mkdir d; cd d; for i in $(seq 300); do : > file-$i; done", timeout=30, max_output_bytes=100)
+        assert len(hook.list_directory(handle, "d")) == 300
+        monkeypatch.setattr(hook_module, "LIST_OUTPUT_BYTES", 1000)
+        with pytest.raises(SandboxError, match="more entries than one listing returns"):
+            hook.list_directory(handle, "d")
+    finally:
+        hook.destroy(handle)

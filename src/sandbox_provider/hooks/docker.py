@@ -40,7 +40,6 @@ import json
 import logging
 import math
 import posixpath
-import re
 import shutil
 import tarfile
 import tempfile
@@ -62,9 +61,10 @@ from sandbox_provider.sandbox.spec import (
     SandboxExecResult,
     SandboxSpec,
     check_handle,
+    check_byte_count,
     check_positive,
     encode_network_policy,
-    handle_is_plain_name,
+    is_named_sandbox,
     new_sandbox_name,
 )
 
@@ -114,7 +114,6 @@ _GO_MODE_SYMLINK = 1 << 27
 _GO_MODE_TYPE = (1 << 31) | (1 << 27) | (1 << 26) | (1 << 25) | (1 << 24) | (1 << 21) | (1 << 19)
 _SYMLINK_HOPS = 40
 #: The characters a container name may hold, as the Engine allows them.
-_HANDLE_CHARS = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
 # Wraps every command. ``timeout`` SIGKILLs the command's process group at the deadline; then, and
@@ -399,10 +398,9 @@ class DockerSandboxHook(SandboxHook):
     @staticmethod
     def _check_handle(handle: str) -> str:
         # The SDK puts the name into the request path as it is, and the Engine resolves ``..`` in
-        # it, so anything but one plain name component could reach another container. (The
-        # character check also refuses a trailing newline, which a ``$``-anchored pattern lets by.)
+        # it, so anything but one plain name component could reach another container.
         check_handle(handle)
-        if not _is_docker_handle(handle):
+        if not is_named_sandbox(handle):
             raise ValueError(
                 f"{handle!r} is not a Docker sandbox handle. A handle is the container name create() returned: "
                 f"{SANDBOX_NAME_PREFIX!r} followed by letters, digits, '.', '_' or '-' (no '/' and no spaces), "
@@ -575,7 +573,7 @@ class DockerSandboxHook(SandboxHook):
         """
         self._check_handle(handle)
         check_positive(timeout, "timeout")
-        check_positive(max_output_bytes, "max_output_bytes")
+        check_byte_count(max_output_bytes, "max_output_bytes")
         if not isinstance(command, str) or not command.strip():
             raise SandboxError("command must be a non-empty shell command string.")
         if "\0" in command:
@@ -801,7 +799,7 @@ class DockerSandboxHook(SandboxHook):
         :raises SandboxTerminalError: if the sandbox is gone.
         """
         self._check_handle(handle)
-        check_positive(max_bytes, "max_bytes")
+        check_byte_count(max_bytes, "max_bytes")
         resolved, _ = self._regular_file(handle, path, int(max_bytes), "read")
         buffer = io.BytesIO()
         self._download(handle, resolved, path, buffer, int(max_bytes))
@@ -818,7 +816,7 @@ class DockerSandboxHook(SandboxHook):
         :raises SandboxTerminalError: if the sandbox is gone.
         """
         self._check_handle(handle)
-        check_positive(max_bytes, "max_bytes")
+        check_byte_count(max_bytes, "max_bytes")
         resolved, size = self._regular_file(handle, path, int(max_bytes), "exported")
         copied = self._download(handle, resolved, path, stream, int(max_bytes))
         check_export_size(path, size, copied)
@@ -1096,7 +1094,7 @@ class DockerSandboxHook(SandboxHook):
         """
         removed = []
         for info in self.list_sandboxes(owner=owner, dag_id=dag_id):
-            if not _is_docker_handle(info.handle):
+            if not is_named_sandbox(info.handle):
                 log.warning(
                     "Skipping container %r: its %s label is not a usable handle", info.handle, SANDBOX_LABEL
                 )
@@ -1137,15 +1135,6 @@ def _flag(value: Any) -> bool | None:
     if isinstance(value, str):
         return value.strip().lower() in ("1", "true", "yes", "on")
     return bool(value)
-
-
-def _is_docker_handle(handle: str) -> bool:
-    """True for a name with this provider's prefix that is one plain container name, nothing more."""
-    return (
-        handle.startswith(SANDBOX_NAME_PREFIX)
-        and handle_is_plain_name(handle)
-        and _HANDLE_CHARS.fullmatch(handle) is not None
-    )
 
 
 def _expiry_of(labels: Mapping[str, str]) -> float:

@@ -15,10 +15,21 @@ network namespaces. What a command sees:
 It does not see the worker's home, ``AIRFLOW_HOME``, environment, processes, sockets or other
 sandboxes, and it has no capabilities.
 
-Limits (``cpu_seconds``, ``memory_bytes``, ``max_processes``) are kernel resource limits applied to
-every process of a command (``RLIMIT_CPU``, ``RLIMIT_AS`` and ``RLIMIT_NPROC``, set with util-linux's
-``prlimit``). ``RLIMIT_NPROC`` counts the processes of the worker's user, and the kernel does not apply
-it to root; a cgroup-based limit needs a delegated cgroup, which this backend does not assume.
+Who runs it: the worker's own user, or, when the worker runs as root, the unprivileged user
+``sandbox_uid`` (default 65534, ``nobody``), so nothing in a sandbox ever holds the worker's root
+identity, even inside its user namespace, and the process limit binds.
+
+Limits are kernel resource limits on every process of a command, set with util-linux's ``prlimit``:
+``max_processes`` (``RLIMIT_NPROC``, default 1024: the processes of the sandbox's user on the host,
+so a fork bomb stops there), ``cpu_seconds`` (``RLIMIT_CPU``), ``memory_bytes`` (``RLIMIT_AS``, the
+address space of each process) and ``max_file_bytes`` (``RLIMIT_FSIZE``, the largest file a process
+may write). There is no quota on the total disk a sandbox uses: its workspace lives under
+``state_root``; put that on a filesystem sized for it. A cgroup-based limit needs a delegated
+cgroup, which this backend does not assume.
+
+``block_network=False`` shares the worker's network namespace: the sandbox reaches whatever the
+worker reaches, its loopback services (an API server, a database on 127.0.0.1) and abstract Unix
+sockets included. Use it only for code you would let onto the worker's network.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import io
 import json
 import selectors
 import logging
@@ -49,14 +61,15 @@ from sandbox_provider.sandbox.spec import (
     EXPIRES_AT_TAG,
     NETWORK_TAG,
     OWNER_TAG,
-    SANDBOX_NAME_PREFIX,
     WORKDIR_TAG,
     SandboxExecResult,
     SandboxSpec,
     check_handle,
+    check_byte_count,
+    check_path,
     check_positive,
     encode_network_policy,
-    handle_is_plain_name,
+    is_named_sandbox,
     new_sandbox_name,
 )
 
@@ -65,6 +78,13 @@ log = logging.getLogger(__name__)
 __all__ = ["LocalSandboxBackend", "LocalSandboxHook"]
 
 DEFAULT_SANDBOX_TIMEOUT = 3600.0
+DEFAULT_MAX_PROCESSES = 1024
+#: The user a root worker runs sandboxes as.
+DEFAULT_SANDBOX_UID = 65534
+#: The environment bwrap itself starts with (it is visible as /proc/1/environ in the sandbox).
+_BWRAP_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+#: Where a workspace may not be mounted: the system directories shown to the sandbox, and its own mounts.
+_RESERVED_WORKDIRS = ("/", "/tmp", "/proc", "/dev", "/sys", "/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 # /etc entries programs need to start and to find users, certificates and time zones. Nothing
 # else of /etc is shown: it can hold credentials and the worker's configuration.
@@ -117,7 +137,11 @@ class LocalSandboxHook(SandboxHook):
         refused as terminal, and the next ``create`` on this host or :meth:`gc_expired` removes it.
     :param cpu_seconds: CPU seconds per process (``RLIMIT_CPU``); None for no limit.
     :param memory_bytes: address space per process in bytes (``RLIMIT_AS``); None for no limit.
-    :param max_processes: processes per user (``RLIMIT_NPROC``; not applied to root); None for no limit.
+    :param max_processes: processes of the sandbox's user on the host (``RLIMIT_NPROC``); default 1024.
+    :param max_file_bytes: the largest file a process may write, in bytes (``RLIMIT_FSIZE``); None
+        for no limit. Not a quota: the total a sandbox writes is not bounded.
+    :param sandbox_uid: the user a root worker runs sandboxes as (default 65534, ``nobody``);
+        ignored when the worker is not root. The ``image`` directory must be readable by it.
     :param bwrap_path: the bubblewrap program, by name or path.
     :raises ValueError: for a bad argument (a non-positive limit, a relative workdir).
     """
@@ -141,6 +165,8 @@ class LocalSandboxHook(SandboxHook):
         cpu_seconds: int | None = None,
         memory_bytes: int | None = None,
         max_processes: int | None = None,
+        max_file_bytes: int | None = None,
+        sandbox_uid: int = DEFAULT_SANDBOX_UID,
         bwrap_path: str = "bwrap",
         clock: Callable[[], float] = time.monotonic,
         **kwargs: Any,
@@ -154,10 +180,12 @@ class LocalSandboxHook(SandboxHook):
             "cpu_seconds": _check_limit(cpu_seconds, "cpu_seconds"),
             "memory_bytes": _check_limit(memory_bytes, "memory_bytes"),
             "max_processes": _check_limit(max_processes, "max_processes"),
+            "max_file_bytes": _check_limit(max_file_bytes, "max_file_bytes"),
         }
-        if not isinstance(workdir, str) or not workdir.startswith("/") or workdir.rstrip("/") in ("", "/tmp", "/proc", "/dev"):
-            raise ValueError(f"workdir must be an absolute path other than /, /tmp, /proc or /dev; got {workdir!r}.")
-        self.workdir = os.path.normpath(workdir)
+        self.workdir = _check_workdir(workdir)
+        if isinstance(sandbox_uid, bool) or not isinstance(sandbox_uid, int) or sandbox_uid <= 0:
+            raise ValueError(f"sandbox_uid must be a positive user id (not root), got {sandbox_uid!r}.")
+        self.sandbox_uid = sandbox_uid
         self.bwrap_path = bwrap_path
         self._clock = clock
         self._settings: dict[str, Any] | None = None
@@ -184,7 +212,7 @@ class LocalSandboxHook(SandboxHook):
                 try:
                     if key == "sandbox_timeout":
                         value = check_positive(float(value), key)
-                    elif key in ("cpu_seconds", "memory_bytes", "max_processes"):
+                    elif key in ("cpu_seconds", "memory_bytes", "max_processes", "max_file_bytes"):
                         value = _check_limit(int(value), key)
                 except (TypeError, ValueError) as err:
                     raise SandboxTerminalError(
@@ -193,6 +221,8 @@ class LocalSandboxHook(SandboxHook):
             settings[key] = value
         if settings["sandbox_timeout"] is None:
             settings["sandbox_timeout"] = DEFAULT_SANDBOX_TIMEOUT
+        if settings["max_processes"] is None:
+            settings["max_processes"] = DEFAULT_MAX_PROCESSES
         if settings["state_root"] is None:
             settings["state_root"] = os.path.join(tempfile.gettempdir(), f"airflow-sandbox-{os.getuid()}")
         if settings["image"] is not None and not os.path.isdir(settings["image"]):
@@ -215,26 +245,56 @@ class LocalSandboxHook(SandboxHook):
             )
         return found
 
+    @property
+    def _drops_root(self) -> bool:
+        return os.geteuid() == 0
+
+    @property
+    def _dir_mode(self) -> int:
+        # A root worker hands the sandbox to another user, who must be able to pass through.
+        return 0o711 if self._drops_root else 0o700
+
     def _root(self, *, create: bool = False) -> str:
         root = self.state_root
-        if create:
-            os.makedirs(root, mode=0o700, exist_ok=True)
         try:
+            if create:
+                os.makedirs(root, mode=self._dir_mode, exist_ok=True)
             info = os.lstat(root)
         except FileNotFoundError:
             return root
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        except OSError as err:
+            raise SandboxTerminalError(
+                f"The sandbox state directory {root!r} cannot be used ({err.strerror}); pass another state_root "
+                "to LocalSandboxHook or its connection."
+            ) from err
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
             raise SandboxTerminalError(
                 f"The sandbox state directory {root!r} is not a directory owned by this user; pass another "
                 "state_root to LocalSandboxHook."
             )
-        if info.st_mode & 0o077:
-            os.chmod(root, 0o700)
+        if stat.S_IMODE(info.st_mode) != self._dir_mode:
+            os.chmod(root, self._dir_mode)
         return root
+
+    def _check_reachable(self, root: str) -> None:
+        """A root worker's sandboxes run as ``sandbox_uid``, which must be able to reach the state root."""
+        here = os.path.abspath(root)
+        while True:
+            mode = os.stat(here).st_mode
+            if not mode & stat.S_IXOTH:
+                raise SandboxTerminalError(
+                    f"The worker runs as root, so its sandboxes run as uid {self.sandbox_uid}, which cannot reach "
+                    f"the state directory {root!r}: {here!r} is not searchable by other users. Pass a state_root "
+                    "whose parent directories are (e.g. under /tmp or /var/lib), or chmod o+x that directory."
+                )
+            parent = os.path.dirname(here)
+            if parent == here:
+                return
+            here = parent
 
     def _dir(self, handle: str) -> str:
         check_handle(handle)
-        if not handle.startswith(SANDBOX_NAME_PREFIX) or not handle_is_plain_name(handle):
+        if not is_named_sandbox(handle):
             raise SandboxTerminalError(f"{handle!r} is not a local sandbox handle; handles look like airflow-sandbox-1a2b3c4d5e6f.")
         path = os.path.join(self._root(), handle)
         if not os.path.isdir(os.path.join(path, "workspace")):
@@ -259,6 +319,31 @@ class LocalSandboxHook(SandboxHook):
     def write_tags(self, handle: str, tags: Mapping[str, str]) -> None:
         """Replace the sandbox's stamps, atomically (a rename)."""
         _write_json(os.path.join(self._dir(handle), _STAMPS), dict(tags))
+
+    @contextlib.contextmanager
+    def _stamp_lock(self, handle: str):
+        """Hold an exclusive lock on the sandbox's stamps, across processes of this host."""
+        fd = os.open(os.path.join(self._dir(handle), "stamps.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def attach(self, handle: str, *, owner: str, holder: str):
+        """
+        Claim a sandbox another task on this host provisioned; see :meth:`SandboxHook.attach`.
+
+        Here the claim is exclusive: it runs under a lock on the sandbox's stamps, so of two tasks
+        attaching at once exactly one wins.
+        """
+        with self._stamp_lock(handle):
+            return super().attach(handle, owner=owner, holder=holder)
+
+    def release(self, handle: str, *, holder: str) -> None:
+        """Clear the holder stamp if it is ``holder``'s, under the same lock as :meth:`attach`."""
+        with self._stamp_lock(handle):
+            super().release(handle, holder=holder)
 
     def _expires_at(self, handle: str) -> float | None:
         try:
@@ -288,16 +373,20 @@ class LocalSandboxHook(SandboxHook):
         self._bwrap()
         settings = self._config()
         root = self._root(create=True)
+        if self._drops_root:
+            self._check_reachable(root)
         try:
             self.gc_expired()
         except Exception:
             log.warning("Could not sweep expired sandboxes under %s", root, exc_info=True)
         handle = new_sandbox_name()
         path = os.path.join(root, handle)
-        os.mkdir(path, 0o700)
+        os.mkdir(path, self._dir_mode)
         try:
             for sub in ("workspace", "tmp"):
                 os.mkdir(os.path.join(path, sub), 0o700)
+                if self._drops_root:
+                    os.chown(os.path.join(path, sub), self.sandbox_uid, self.sandbox_uid)
             _write_json(os.path.join(path, _ENV), dict(spec.env or {}))
             tags = {
                 EXPIRES_AT_TAG: str(int(time.time() + settings["sandbox_timeout"])),
@@ -324,7 +413,7 @@ class LocalSandboxHook(SandboxHook):
     def destroy(self, handle: str) -> None:
         """Kill the sandbox's running commands and remove its directory. Idempotent."""
         check_handle(handle)
-        if not handle.startswith(SANDBOX_NAME_PREFIX) or not handle_is_plain_name(handle):
+        if not is_named_sandbox(handle):
             raise SandboxTerminalError(f"{handle!r} is not a local sandbox handle.")
         path = os.path.join(self._root(), handle)
         if not os.path.lexists(path):
@@ -340,7 +429,7 @@ class LocalSandboxHook(SandboxHook):
             return removed
         now = time.time()
         for entry in os.listdir(root):
-            if not entry.startswith(SANDBOX_NAME_PREFIX) or not handle_is_plain_name(entry):
+            if not is_named_sandbox(entry):
                 continue
             try:
                 with open(os.path.join(root, entry, _STAMPS), encoding="utf-8") as f:
@@ -370,7 +459,9 @@ class LocalSandboxHook(SandboxHook):
 
     # -- running ---------------------------------------------------------------------------------------
 
-    def _argv(self, path: str, network: bool, env: Mapping[str, str], status_fd: int) -> list[str]:
+    def _argv(
+        self, path: str, network: bool, env: Mapping[str, str], status_fd: int, *, max_file_bytes: int | None = None
+    ) -> list[str]:
         settings = self._config()
         args = [
             self._bwrap(),
@@ -389,8 +480,6 @@ class LocalSandboxHook(SandboxHook):
             "--json-status-fd",
             str(status_fd),
         ]
-        if os.getuid() == 0:
-            args += ["--uid", "1000", "--gid", "1000"]
         args.append("--share-net" if network else "--unshare-net")
         image = settings["image"]
         if image:
@@ -436,6 +525,9 @@ class LocalSandboxHook(SandboxHook):
             limits.append(f"--as={settings['memory_bytes']}")
         if settings["max_processes"]:
             limits.append(f"--nproc={settings['max_processes']}")
+        file_limit = min(x for x in (max_file_bytes, settings["max_file_bytes"], 2**62) if x)
+        if file_limit < 2**62:
+            limits.append(f"--fsize={file_limit}")
         if limits:
             prlimit = shutil.which("prlimit")
             if not prlimit:
@@ -444,6 +536,11 @@ class LocalSandboxHook(SandboxHook):
                 )
             args = [prlimit, *limits, "--", *args]
         return args
+
+    def _identity(self) -> dict[str, Any]:
+        if not self._drops_root:
+            return {}
+        return {"user": self.sandbox_uid, "group": self.sandbox_uid, "extra_groups": []}
 
     def _exec(
         self,
@@ -454,8 +551,14 @@ class LocalSandboxHook(SandboxHook):
         max_output_bytes: int,
         stdin: IO[bytes] | None = None,
         stdout_sink: Callable[[bytes], None] | None = None,
+        stdout_fd: int | None = None,
+        max_file_bytes: int | None = None,
     ) -> SandboxExecResult:
-        """Run ``argv`` in the sandbox; stream stdin from ``stdin`` and stdout to ``stdout_sink`` if given."""
+        """
+        Run ``argv`` in the sandbox. Standard input streams from ``stdin`` when given; standard
+        output goes to ``stdout_sink`` (a callback), or straight into the file descriptor
+        ``stdout_fd`` (the worker never reads it), or else into the result's tail buffer.
+        """
         path = self._dir(handle)
         tags = self.read_tags(handle)
         budget = float(timeout)
@@ -475,15 +578,16 @@ class LocalSandboxHook(SandboxHook):
             env = json.load(f)
         status_r, status_w = os.pipe()
         try:
-            args = self._argv(path, network, env, status_w) + ["--", *argv]
+            args = self._argv(path, network, env, status_w, max_file_bytes=max_file_bytes) + ["--", *argv]
             proc = subprocess.Popen(
                 args,
                 stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
+                stdout=subprocess.PIPE if stdout_fd is None else stdout_fd,
                 stderr=subprocess.PIPE,
                 pass_fds=(status_w,),
                 start_new_session=True,
-                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                env=_BWRAP_ENV,
+                **self._identity(),
             )
         except OSError as err:
             os.close(status_r)
@@ -510,9 +614,12 @@ class LocalSandboxHook(SandboxHook):
                 except BaseException as exc:  # keep draining so the command can finish
                     sink_error.append(exc)
 
+        readers = {proc.stderr: _bytes_reader(err_buf.write)}
+        if proc.stdout is not None:
+            readers[proc.stdout] = _bytes_reader(to_stdout)
         feeder = _feed(proc.stdin, stdin) if stdin is not None else None
         try:
-            timed_out = _pump(proc, {proc.stdout: to_stdout, proc.stderr: err_buf.write}, budget)
+            timed_out = _pump(proc, readers, budget)
         except BaseException:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -561,7 +668,7 @@ class LocalSandboxHook(SandboxHook):
         :raises SandboxTerminalError: if the sandbox is gone or past its lifetime.
         """
         check_positive(timeout, "timeout")
-        check_positive(max_output_bytes, "max_output_bytes")
+        check_byte_count(max_output_bytes, "max_output_bytes")
         if not isinstance(command, str) or not command.strip():
             raise SandboxError("command must be a non-empty shell command string.")
         return self._exec(handle, ["/bin/sh", "-c", command], timeout=timeout, max_output_bytes=int(max_output_bytes))
@@ -584,7 +691,8 @@ class LocalSandboxHook(SandboxHook):
         :raises SandboxFileTooLargeError: if it holds more than ``max_bytes``.
         :raises SandboxError: if it is missing, unreadable, a directory or not a regular file.
         """
-        check_positive(max_bytes, "max_bytes")
+        check_path(path)
+        check_byte_count(max_bytes, "max_bytes")
         chunks: list[bytes] = []
         seen = [0]
 
@@ -611,6 +719,7 @@ class LocalSandboxHook(SandboxHook):
 
         :raises SandboxError: if the path cannot be written (a directory is there, say).
         """
+        check_path(path)
         counted = _CountingReader(source)
         q = shlex.quote(path)
         script = (
@@ -626,12 +735,16 @@ class LocalSandboxHook(SandboxHook):
         """
         Stream the regular file at ``path`` into ``stream``; return the bytes copied.
 
-        Bytes flow from the sandbox through a pipe straight into ``stream``, a megabyte at a time.
+        Bytes flow from the sandbox through a pipe into ``stream``, a megabyte at a time. When
+        ``stream`` is a local file, the copy in the sandbox (a trusted ``cat``, in a process tree of
+        its own, under a file-size limit) writes into it directly, and no byte passes through the
+        worker. Either way at most ``max_bytes + 1`` bytes are written before the size is checked.
 
         :raises SandboxFileTooLargeError: if the file holds more than ``max_bytes``.
         :raises SandboxError: if it is missing, not a regular file, or changed during the copy.
         """
-        check_positive(max_bytes, "max_bytes")
+        check_path(path)
+        check_byte_count(max_bytes, "max_bytes")
         copied = [0]
 
         def sink(data: bytes) -> None:
@@ -641,8 +754,22 @@ class LocalSandboxHook(SandboxHook):
             stream.write(data)
 
         allowance = max(FILE_OP_TIMEOUT, max_bytes / _EXPORT_MIN_RATE)
-        script = self._checks(path, max_bytes) + f"exec head -c {int(max_bytes) + 1} -- {shlex.quote(path)}"
-        result = self._script(handle, script, stdout_sink=sink, timeout=allowance)
+        checks = self._checks(path, max_bytes)
+        out_fd = _local_file_fd(stream)
+        if out_fd is None:
+            script = checks + f"exec head -c {int(max_bytes) + 1} -- {shlex.quote(path)}"
+            result = self._script(handle, script, stdout_sink=sink, timeout=allowance)
+        else:
+            # cat copies in the kernel where it can; the file-size limit stops it one byte past
+            # the budget should the file grow during the copy.
+            start = os.lseek(out_fd, 0, os.SEEK_CUR)
+            script = checks + f"exec cat -- {shlex.quote(path)}"
+            result = self._script(
+                handle, script, stdout_fd=out_fd, timeout=allowance, max_file_bytes=start + int(max_bytes) + 1
+            )
+            copied[0] = os.lseek(out_fd, 0, os.SEEK_CUR) - start
+            if copied[0] > max_bytes:
+                raise SandboxFileTooLargeError(path, copied[0], max_bytes)
         size = self._size_from(result)
         if result.exit_code == 69:
             raise SandboxFileTooLargeError(path, size or max_bytes + 1, max_bytes)
@@ -656,6 +783,19 @@ class LocalSandboxHook(SandboxHook):
 
 #: The guide's name for this backend.
 LocalSandboxBackend = LocalSandboxHook
+
+
+def _check_workdir(workdir: Any) -> str:
+    if not isinstance(workdir, str) or not workdir.startswith("/") or "\0" in workdir:
+        raise ValueError(f"workdir must be an absolute path such as '/workspace', got {workdir!r}.")
+    normal = os.path.normpath(workdir)
+    for reserved in _RESERVED_WORKDIRS:
+        if normal == reserved or (reserved != "/" and normal.startswith(reserved + "/")):
+            raise ValueError(
+                f"workdir {workdir!r} lies in {reserved}, which the sandbox gets from the system or mounts itself; "
+                "use a directory of its own such as '/workspace'."
+            )
+    return normal
 
 
 def _check_limit(value: Any, name: str) -> int | None:
@@ -706,10 +846,36 @@ def _remove_tree(path: str) -> None:
     shutil.rmtree(path, onerror=fix)
 
 
-def _pump(proc: subprocess.Popen, readers: dict[Any, Callable[[bytes], None]], budget: float) -> bool:
+def _bytes_reader(callback: Callable[[bytes], None]) -> Callable[[int], bool]:
+    """A pipe reader for :func:`_pump` that hands each piece read to ``callback``."""
+
+    def read(fd: int) -> bool:
+        try:
+            data = os.read(fd, 1024 * 1024)
+        except BlockingIOError:
+            return True
+        if data:
+            callback(data)
+        return bool(data)
+
+    return read
+
+
+def _local_file_fd(stream: IO[bytes]) -> int | None:
+    """The descriptor of ``stream`` if it is a regular local file with nothing buffered, else None."""
+    try:
+        stream.flush()
+        fd = stream.fileno()
+        return fd if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    except (AttributeError, OSError, ValueError, io.UnsupportedOperation):
+        return None
+
+
+def _pump(proc: subprocess.Popen, readers: dict[Any, Callable[[int], bool]], budget: float) -> bool:
     """
-    Read the process's pipes into their callbacks until it exits and they close, or ``budget``
-    seconds pass; then kill its process group. Return whether the deadline was hit.
+    Drain the process's pipes with their readers (each returns False at end of file) until it
+    exits and they close, or ``budget`` seconds pass; then kill its process group. Return whether
+    the deadline was hit.
 
     One thread and one selector: no polling, so a short command costs no added latency.
     """
@@ -718,11 +884,11 @@ def _pump(proc: subprocess.Popen, readers: dict[Any, Callable[[bytes], None]], b
     pidfd = os.pidfd_open(proc.pid)
     grace: float | None = None
     with selectors.DefaultSelector() as selector:
-        for pipe, callback in readers.items():
+        for pipe, reader in readers.items():
             os.set_blocking(pipe.fileno(), False)
             with contextlib.suppress(OSError):  # bigger pipes: fewer wake-ups on large outputs
                 fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, 1024 * 1024)
-            selector.register(pipe.fileno(), selectors.EVENT_READ, callback)
+            selector.register(pipe.fileno(), selectors.EVENT_READ, reader)
         selector.register(pidfd, selectors.EVENT_READ, None)
         open_pipes = len(readers)
         exited = False
@@ -745,13 +911,7 @@ def _pump(proc: subprocess.Popen, readers: dict[Any, Callable[[bytes], None]], b
                         if grace is None:
                             grace = time.monotonic() + 10
                         continue
-                    try:
-                        data = os.read(key.fd, 1024 * 1024)
-                    except BlockingIOError:
-                        continue
-                    if data:
-                        key.data(data)
-                    else:
+                    if not key.data(key.fd):
                         selector.unregister(key.fd)
                         open_pipes -= 1
         finally:

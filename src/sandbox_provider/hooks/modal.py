@@ -50,6 +50,7 @@ from sandbox_provider.sandbox.spec import (
     SandboxExecResult,
     SandboxSpec,
     check_handle,
+    check_byte_count,
     check_positive,
     encode_network_policy,
     new_sandbox_name,
@@ -738,7 +739,7 @@ class ModalSandboxHook(SandboxHook):
         :raises SandboxTerminalError: if the sandbox is gone or past its lifetime before the command starts.
         """
         check_positive(timeout, "timeout")
-        check_positive(max_output_bytes, "max_output_bytes")
+        check_byte_count(max_output_bytes, "max_output_bytes")
         if not isinstance(command, str) or not command.strip():
             raise SandboxError(f"command must be a non-empty shell command, got {command!r}.")
         tracked = self._lookup(handle)
@@ -808,7 +809,7 @@ class ModalSandboxHook(SandboxHook):
 
         The guest sends at most ``max_bytes + 1`` bytes (``head -c``), so no more than that crosses the wire.
         """
-        check_positive(max_bytes, "max_bytes")
+        check_byte_count(max_bytes, "max_bytes")
         tracked = self._lookup(handle)
         target = self._abs(tracked, path)
         q = shlex.quote(target)

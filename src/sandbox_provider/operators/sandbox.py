@@ -14,7 +14,7 @@ from sandbox_provider.hooks import get_sandbox_hook
 from sandbox_provider.sandbox.hook import SandboxHook
 from sandbox_provider.sandbox.output import tail_text
 from sandbox_provider.sandbox.session import SandboxSession
-from sandbox_provider.sandbox.spec import SandboxExecResult, SandboxSpec, check_positive, dag_run_owner
+from sandbox_provider.sandbox.spec import SandboxExecResult, SandboxSpec, check_byte_count, check_positive, dag_run_owner
 from sandbox_provider.sandbox.transfer import DEFAULT_MAX_EXPORT_BYTES, check_transfer_map
 
 if TYPE_CHECKING:
@@ -184,8 +184,8 @@ class SandboxOperator(BaseOperator):
             if spec is not None and spec.owner is not None and spec.owner != owner:
                 raise ValueError(f"owner={owner!r} contradicts spec.owner={spec.owner!r}; give one of them.")
         check_positive(timeout, "timeout")
-        check_positive(max_output_bytes, "max_output_bytes")
-        check_positive(max_export_bytes, "max_export_bytes")
+        check_byte_count(max_output_bytes, "max_output_bytes")
+        check_byte_count(max_export_bytes, "max_export_bytes")
 
         self.command = command
         self.backend = backend

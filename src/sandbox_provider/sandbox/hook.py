@@ -27,7 +27,8 @@ from sandbox_provider.sandbox.spec import (
     SandboxExecResult,
     SandboxSpec,
     check_handle,
-    check_positive,
+    check_path,
+    check_byte_count,
     decode_network_policy,
 )
 
@@ -41,6 +42,8 @@ FILE_OP_TIMEOUT = 120.0
 SHELL_CHUNK_BYTES = 4 * 1024 * 1024
 #: Raw bytes per write command: a command line holds at most 128 KiB in one argument on Linux.
 SHELL_WRITE_CHUNK_BYTES = 48 * 1024
+#: The most bytes of names one ``list_directory`` returns.
+LIST_OUTPUT_BYTES = 16 * 1024 * 1024
 #: Bytes read from a local or object-storage stream at a time.
 STREAM_CHUNK_BYTES = 1024 * 1024
 
@@ -229,8 +232,8 @@ class SandboxHook(BaseHook):
         :raises SandboxFileTooLargeError: if the file holds more than ``max_bytes``.
         :raises SandboxError: if it is missing, a directory or not a regular file.
         """
-        check_positive(max_bytes, "max_bytes")
-        q = shlex.quote(path)
+        check_byte_count(max_bytes, "max_bytes")
+        q = shlex.quote(check_path(path))
         script = self._checks(path, max_bytes) + f"head -c {int(max_bytes) + 1} -- {q} | base64"
         result = self._shell(handle, script, max_output_bytes=_b64_cap(int(max_bytes)))
         size = self._size_from(result)
@@ -262,7 +265,7 @@ class SandboxHook(BaseHook):
 
         The default appends base64 pieces through the shell; backends with a file API override it.
         """
-        q = shlex.quote(path)
+        q = shlex.quote(check_path(path))
         first = True
         total = 0
         while True:
@@ -286,15 +289,21 @@ class SandboxHook(BaseHook):
         """
         List the entries of the directory at ``path`` as ``(name, is_directory)`` pairs, sorted by name.
 
-        :raises SandboxError: if ``path`` is missing or not a directory.
+        :raises SandboxError: if ``path`` is missing or not a directory, or holds more entries than
+            fit in 16 MiB of names (list part of it with a command such as ``find`` instead).
         """
-        q = shlex.quote(path)
+        q = shlex.quote(check_path(path))
         script = f"[ -d {q} ] || exit {_MISSING}; find {q} -mindepth 1 -maxdepth 1 -printf '%y %f\\0'"
-        result = self._shell(handle, script, max_output_bytes=16 * 1024 * 1024)
+        result = self._shell(handle, script, max_output_bytes=LIST_OUTPUT_BYTES)
         if not result.ok:
             if result.exit_code == _MISSING:
                 raise SandboxError(f"{path!r} is not a directory in the sandbox.")
             raise self._fail(result, path, "listing")
+        if result.stdout_truncated:
+            raise SandboxError(
+                f"{path!r} holds more entries than one listing returns ({LIST_OUTPUT_BYTES} bytes of names); list "
+                "part of it with a command such as find or ls piped to head."
+            )
         entries = []
         for item in result.stdout.split("\0"):
             if len(item) >= 3:
@@ -311,7 +320,8 @@ class SandboxHook(BaseHook):
         :raises SandboxError: if it is missing, not a regular file, or changed while it was copied.
         :raises SandboxTerminalError: if the sandbox ended during the copy.
         """
-        check_positive(max_bytes, "max_bytes")
+        check_byte_count(max_bytes, "max_bytes")
+        check_path(path)
         result = self._shell(handle, self._checks(path, max_bytes) + "true", max_output_bytes=64 * 1024)
         size = self._size_from(result)
         if result.exit_code == _TOO_LARGE:

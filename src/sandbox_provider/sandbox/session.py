@@ -22,6 +22,7 @@ from sandbox_provider.sandbox.spec import (
     AttachedSandbox,
     SandboxExecResult,
     SandboxSpec,
+    check_byte_count,
     check_positive,
     dag_run_owner,
     is_sandbox_handle,
@@ -29,9 +30,9 @@ from sandbox_provider.sandbox.spec import (
 from sandbox_provider.sandbox.transfer import (
     DEFAULT_MAX_EXPORT_BYTES,
     ExportRecord,
-    check_storage_url,
     check_transfer_map,
     export_files,
+    open_storage_path,
     stage_files,
     stage_inputs,
 )
@@ -130,7 +131,7 @@ class SandboxSession:
         self.exports = check_transfer_map(exports, "exports", urls=True)
         self.input_conn_id = input_conn_id
         self.export_conn_id = export_conn_id
-        self.max_export_bytes = int(check_positive(max_export_bytes, "max_export_bytes"))
+        self.max_export_bytes = int(check_byte_count(max_export_bytes, "max_export_bytes"))
         self.keep = keep
         self._context = context
         self._owner = owner
@@ -177,11 +178,18 @@ class SandboxSession:
         return self._attached
 
     def open(self) -> None:
-        """Check what can be checked before provisioning (rendered export and input URLs)."""
+        """
+        Check what can be checked before provisioning: the rendered export and input URLs, that
+        no two exports share a destination, and that a filesystem for each URL's scheme exists.
+
+        :raises ValueError: naming the entry to fix.
+        """
+        self.exports = check_transfer_map(self.exports, "exports", urls=True)
+        self.inputs = check_transfer_map(self.inputs, "inputs", urls=True)
         for path, url in self.exports.items():
-            check_storage_url(url, f"exports[{path!r}]")
+            open_storage_path(url, self.export_conn_id, f"exports[{path!r}]")
         for path, url in self.inputs.items():
-            check_storage_url(url, f"inputs[{path!r}]")
+            open_storage_path(url, self.input_conn_id, f"inputs[{path!r}]")
         if self.attach_mode:
             self.ensure()
 
@@ -258,7 +266,7 @@ class SandboxSession:
         :raises SandboxTerminalError: if the sandbox ended, or an attached one stopped mid-command.
         """
         check_positive(timeout, "timeout")
-        check_positive(max_output_bytes, "max_output_bytes")
+        check_byte_count(max_output_bytes, "max_output_bytes")
         handle = self.ensure()
         budget = float(timeout)
         left = self.remaining_lifetime()

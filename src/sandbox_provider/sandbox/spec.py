@@ -22,7 +22,9 @@ __all__ = [
     "AttachedSandbox",
     "SandboxExecResult",
     "SandboxSpec",
+    "check_byte_count",
     "check_handle",
+    "check_path",
     "check_positive",
     "dag_run_owner",
     "decode_network_policy",
@@ -204,6 +206,30 @@ def check_positive(value: Any, name: str, *, allow_none: bool = False) -> Any:
     return value
 
 
+def check_byte_count(value: Any, name: str) -> int:
+    """
+    Return ``value`` if it is a whole, positive number of bytes (bools refused).
+
+    :raises ValueError: naming ``name`` otherwise.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a whole, positive number of bytes, got {value!r}.")
+    return value
+
+
+def check_path(path: Any) -> str:
+    """
+    Return ``path`` if it can name a file in a sandbox: a non-empty string without NUL.
+
+    :raises SandboxError: otherwise, saying what to pass instead.
+    """
+    from sandbox_provider.sandbox.errors import SandboxError
+
+    if not isinstance(path, str) or not path.strip() or "\0" in path:
+        raise SandboxError(f"{path!r} is not a usable path: give a non-empty string without NUL characters.")
+    return path
+
+
 def dag_run_owner(context: Mapping[str, Any]) -> str:
     """
     Return the owner token for the Dag run in ``context``: ``"<dag_id>/<run_id>"``.
@@ -251,4 +277,9 @@ _HANDLE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 def handle_is_plain_name(handle: str) -> bool:
     """True when ``handle`` is safe to use as one file or container name component."""
-    return bool(_HANDLE_RE.match(handle)) and handle not in {".", ".."}
+    return bool(_HANDLE_RE.fullmatch(handle)) and handle not in {".", ".."}
+
+
+def is_named_sandbox(handle: str) -> bool:
+    """True for a name :func:`new_sandbox_name` could have made: the prefix, then one plain name."""
+    return isinstance(handle, str) and handle.startswith(SANDBOX_NAME_PREFIX) and handle_is_plain_name(handle)

@@ -73,6 +73,15 @@ def check_transfer_map(mapping: Any, what: str, *, urls: bool, templated: bool =
         elif not isinstance(value, (str, bytes)):
             raise ValueError(f"{what}[{path!r}] must be text or bytes, got {type(value).__name__}.")
         out[path] = value
+    if urls:
+        seen: dict[str, str] = {}
+        for path, value in out.items():
+            if isinstance(value, str) and "{{" not in value:
+                if value in seen:
+                    raise ValueError(
+                        f"{what} sends both {seen[value]!r} and {path!r} to {value}; give each its own destination."
+                    )
+                seen[value] = path
     return out
 
 
@@ -81,6 +90,25 @@ def _storage_path(url: str, conn_id: str | None) -> ObjectStoragePath:
 
     # Passing conn_id=None explicitly would drop a connection named inside the URL (s3://conn@bucket).
     return ObjectStoragePath(url, conn_id=conn_id) if conn_id else ObjectStoragePath(url)
+
+
+def open_storage_path(url: str, conn_id: str | None, what: str) -> ObjectStoragePath:
+    """
+    Return the storage path for ``url``, checking that its scheme names a filesystem this worker has.
+
+    :raises ValueError: naming ``what`` and the scheme, when no filesystem handles it.
+    """
+    try:
+        path = _storage_path(url, conn_id)
+        path.fs  # noqa: B018 - resolves the filesystem (and the connection), which is what may fail
+    except Exception as err:
+        scheme = url.partition("://")[0]
+        raise ValueError(
+            f"{what} is {url}, but no filesystem for {scheme!r} URLs could be opened on this worker "
+            f"({type(err).__name__}: {err}). Install the provider that brings it (e.g. the Amazon provider for "
+            "s3://), or check the connection."
+        ) from err
+    return path
 
 
 def _is_local(path: ObjectStoragePath) -> bool:
@@ -102,7 +130,7 @@ def stage_inputs(hook: SandboxHook, handle: str, inputs: Mapping[str, str], *, c
     :raises SandboxError: naming the input that could not be read or written.
     """
     for path, url in inputs.items():
-        source = _storage_path(url, conn_id)
+        source = open_storage_path(url, conn_id, f"inputs[{path!r}]")
         try:
             with source.open("rb") as stream:
                 size = hook.import_file(handle, path, stream)
@@ -131,10 +159,19 @@ def export_files(
     :raises SandboxTerminalError: naming the file that failed, and any staged copy that could not be
         removed; or, when a move fails, naming the files already in place.
     """
-    staged: list[tuple[str, ObjectStoragePath, ObjectStoragePath, int]] = []
+    targets = {}
     for path, url in exports.items():
         check_storage_url(url, f"exports[{path!r}]")
-        target = _storage_path(url, conn_id)
+        target = open_storage_path(url, conn_id, f"exports[{path!r}]")
+        if target.is_dir():
+            raise SandboxTerminalError(
+                f"Could not export {path!r} from sandbox {handle}: its destination {url} is a directory. Name a "
+                "file, e.g. " + url.rstrip("/") + "/" + path.rsplit("/", 1)[-1] + "."
+            )
+        targets[path] = target
+    staged: list[tuple[str, ObjectStoragePath, ObjectStoragePath, int]] = []
+    for path, url in exports.items():
+        target = targets[path]
         partial = target.parent / f"{target.name}.{secrets.token_hex(6)}.partial"
         try:
             if _is_local(target):
@@ -144,7 +181,8 @@ def export_files(
                 size = hook.export_file(handle, path, stream, max_bytes=max_bytes)
         except Exception as err:
             leftovers = _remove_partials([*(s[2] for s in staged), partial])
-            message = f"Could not export {path!r} from sandbox {handle} on backend {hook.name!r} to {url}: {err}"
+            reason = str(err) if isinstance(err, SandboxError) else f"{type(err).__name__}: {err}"
+            message = f"Could not export {path!r} from sandbox {handle} on backend {hook.name!r} to {url}: {reason}"
             if leftovers:
                 message += f" Left behind, to delete by hand: {', '.join(leftovers)}."
             raise SandboxTerminalError(message) from err
