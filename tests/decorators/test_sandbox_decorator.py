@@ -121,6 +121,18 @@ def takes_any(value):
 
 
 @task.sandbox
+def forges_a_hostile_result(kind):
+    import glob
+    import os
+
+    (directory,) = glob.glob(".airflow-sandbox-task/*/")
+    hostile = {"nan": "NaN", "deep": "[" * 200000 + "]" * 200000, "bytes": "\udcff"}[kind]
+    with open(os.path.join(directory, "result.json"), "w", errors="surrogateescape") as handle:
+        handle.write(hostile)
+    os._exit(0)
+
+
+@task.sandbox
 def reads_shared():
     with open("shared.txt") as handle:
         return handle.read()
@@ -244,6 +256,12 @@ def test_a_return_value_that_is_not_json_fails_clearly(hook):
 def test_return_value_over_the_byte_limit_fails_clearly(hook):
     with pytest.raises(SandboxCommandError, match="over max_result_bytes=100.*exports="):
         run(too_big, hook)
+
+
+@pytest.mark.parametrize("kind", ["nan", "deep", "bytes"])
+def test_a_hostile_result_file_fails_cleanly(hook, kind):
+    with pytest.raises(SandboxCommandError, match="came back as something that is not JSON"):
+        run(forges_a_hostile_result, hook, kind)
 
 
 def test_exit_without_a_return_value_fails_clearly(hook):

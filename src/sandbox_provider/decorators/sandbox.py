@@ -96,6 +96,11 @@ def _check_callable(fn: Any) -> None:
         raise ValueError(f"@task.sandbox runs plain functions; make {fn.__name__}() a def, not an async def.")
 
 
+def _no_constant(name: str) -> Any:
+    """Refuse NaN and the infinities in a result: they are not JSON, whatever Python's parser allows."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def _is_reference(value: Any) -> bool:
     from airflow.sdk.definitions._internal.mixins import ResolveMixin
 
@@ -312,8 +317,8 @@ class _SandboxDecoratedOperator(DecoratedOperator, SandboxOperator):
             if session.attach_mode and self.keep_sandbox is not False:
                 self._tidy(session)
         try:
-            return json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as err:
+            return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        except (UnicodeDecodeError, ValueError, RecursionError) as err:
             raise SandboxCommandError(
                 f"The return value of {self.python_callable.__name__}() came back as something that is not JSON: {err}"
             ) from err
