@@ -168,7 +168,6 @@ class LocalSandboxHook(SandboxHook):
         max_file_bytes: int | None = None,
         sandbox_uid: int = DEFAULT_SANDBOX_UID,
         bwrap_path: str = "bwrap",
-        clock: Callable[[], float] = time.monotonic,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -187,7 +186,6 @@ class LocalSandboxHook(SandboxHook):
             raise ValueError(f"sandbox_uid must be a positive user id (not root), got {sandbox_uid!r}.")
         self.sandbox_uid = sandbox_uid
         self.bwrap_path = bwrap_path
-        self._clock = clock
         self._settings: dict[str, Any] | None = None
         self._probed = False
 
