@@ -216,3 +216,15 @@ def test_listing_too_large_is_an_error_not_a_silent_cut(hook, monkeypatch):
             hook.list_directory(handle, "d")
     finally:
         hook.destroy(handle)
+
+
+def test_async_session_inside_an_except_block_still_exports(hook, tmp_path):
+    async def main():
+        try:
+            raise KeyError("handled before the session began")
+        except KeyError:
+            async with SandboxSession(hook, exports={"a": (tmp_path / "a").as_uri()}) as session:
+                await session.arun("echo ok > a", timeout=30, max_output_bytes=10)
+
+    asyncio.run(main())
+    assert (tmp_path / "a").read_text() == "ok\n"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -374,8 +373,7 @@ class SandboxSession:
         return self
 
     async def __aexit__(self, exc_type, exc, tb) -> None:
-        failed = exc_type is not None or sys.exc_info()[0] is not None
-        await asyncio.to_thread(self.close, succeeded=not failed)
+        await asyncio.to_thread(self.close, succeeded=exc_type is None)
 
     async def aensure(self) -> str:
         return await asyncio.to_thread(self.ensure)
