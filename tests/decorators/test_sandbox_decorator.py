@@ -132,6 +132,26 @@ def forges_a_hostile_result(kind):
     os._exit(0)
 
 
+class OnlyInThisFile:
+    """A type the sandbox has never heard of."""
+
+
+@task.sandbox
+def annotated(value: OnlyInThisFile) -> OnlyInThisFile:
+    return value
+
+
+def make_nested_with_column_zero_string():
+    @task.sandbox
+    def nested():
+        text = """
+first
+second"""
+        return text.count("\n")
+
+    return nested
+
+
 @task.sandbox
 def reads_shared():
     with open("shared.txt") as handle:
@@ -262,6 +282,27 @@ def test_return_value_over_the_byte_limit_fails_clearly(hook):
 def test_a_hostile_result_file_fails_cleanly(hook, kind):
     with pytest.raises(SandboxCommandError, match="came back as something that is not JSON"):
         run(forges_a_hostile_result, hook, kind)
+
+
+def test_annotations_naming_dag_file_types_do_not_break_the_sandbox(hook):
+    assert run(annotated, hook, 5) == 5
+
+
+def test_nested_function_with_a_column_zero_string(hook):
+    assert run(make_nested_with_column_zero_string(), hook) == 2
+
+
+def test_a_dag_file_named_like_the_runner(hook, tmp_path):
+    import importlib.util
+
+    module_path = tmp_path / "runner.py"
+    module_path.write_text(
+        "from airflow.sdk import task\n\n\n@task.sandbox\ndef add(a, b):\n    return a + b\n"
+    )
+    spec = importlib.util.spec_from_file_location("runner_dag_module", module_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert run(module.add, hook, 2, 3) == 5
 
 
 def test_exit_without_a_return_value_fails_clearly(hook):

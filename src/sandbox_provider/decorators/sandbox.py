@@ -18,7 +18,6 @@ import math
 import os
 import secrets
 import shlex
-import textwrap
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -39,6 +38,7 @@ __all__ = ["sandbox_task"]
 
 #: Default cap on the JSON return value, in bytes.
 DEFAULT_MAX_RESULT_BYTES = 1024 * 1024
+_FUTURE = "from __future__ import annotations\n"
 #: Where a call's files live, relative to the sandbox's working directory.
 _TASK_DIR = ".airflow-sandbox-task"
 
@@ -164,7 +164,7 @@ def shipped_source(fn: Callable) -> tuple[str, str, int]:
             f"@task.sandbox ships the source of {fn.__name__}() into the sandbox and cannot read it ({err}). Define "
             "the function in a .py file."
         ) from err
-    text = textwrap.dedent("".join(lines))
+    text = _outdent(lines)
     try:
         tree = ast.parse(text)
     except SyntaxError as err:
@@ -182,6 +182,18 @@ def shipped_source(fn: Callable) -> tuple[str, str, int]:
         for index in range(decorator.lineno - 1, (decorator.end_lineno or decorator.lineno)):
             kept[index] = ""
     return "\n".join(kept) + "\n", node.name, max(1, first_line)
+
+
+def _outdent(lines: list[str]) -> str:
+    """
+    Shift a nested function's source to column 0 by the indentation of its first line.
+
+    Unlike :func:`textwrap.dedent`, lines that start left of it (the inside of a triple-quoted
+    string, say) are kept as they are, so such a string does not stop the shift.
+    """
+    first = lines[0]
+    indent = first[: len(first) - len(first.lstrip())]
+    return "".join(line[len(indent) :] if line.startswith(indent) else line for line in lines)
 
 
 def _context_value(name: str, value: Any) -> Any:
@@ -245,6 +257,7 @@ class _SandboxDecoratedOperator(DecoratedOperator, SandboxOperator):
             raise ValueError(
                 f"max_result_bytes must be a positive number of bytes, got {max_result_bytes!r}."
             )
+        shipped_source(python_callable)  # a function whose source cannot be shipped fails at parse time
         super().__init__(python_callable=python_callable, command="(built from the function)", **kwargs)
         _check_arguments(self.op_args, self.op_kwargs, allow_references=True)
         self.python = python
@@ -278,11 +291,14 @@ class _SandboxDecoratedOperator(DecoratedOperator, SandboxOperator):
         directory = f"{_TASK_DIR}/{secrets.token_hex(6)}"
         self._call_dir = directory
         module_file = os.path.basename(inspect.getsourcefile(self.python_callable) or "task.py")
-        source_path = f"{directory}/{module_file}"
+        # Its own folder, so no Dag file name can collide with the runner's files.
+        source_path = f"{directory}/dag/{module_file}"
+        # Padding keeps the Dag file's line numbers in tracebacks. Annotations stay unevaluated:
+        # they may name types that exist only where the Dag file is parsed.
+        header = _FUTURE + "\n" * (first_line - 2) if first_line > 1 else _FUTURE
         files = {
             **self.files,
-            # Leading blank lines keep the Dag file's line numbers in tracebacks.
-            source_path: "\n" * (first_line - 1) + source,
+            source_path: header + source,
             f"{directory}/runner.py": _RUNNER,
             f"{directory}/call.json": call,
         }
