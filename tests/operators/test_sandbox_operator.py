@@ -89,6 +89,35 @@ def test_output_tails_in_the_xcom_are_bounded(hook):
     assert result["stderr"].endswith("50000\n")
 
 
+def test_secrets_never_reach_the_xcom_or_the_failure_message(hook):
+    from airflow.sdk.log import mask_secret
+
+    secret = "Sup3rSecretValue42"
+    mask_secret(secret)
+    ok = SandboxOperator(task_id="t", backend=hook, command="echo using Sup3r''SecretValue42")
+    assert secret not in repr(ok.execute(make_context()))
+    # The backend keeps the last 40 bytes, cutting the secret in the middle: no piece of it is shown.
+    cut = SandboxOperator(
+        task_id="t", backend=hook, command="echo Sup3r''SecretValue42 and then a rather longer tail here",
+        max_output_bytes=40,
+    )
+    shown = cut.execute(make_context())["stdout"]
+    assert not any(secret[i : i + 4] in shown for i in range(len(secret) - 3))
+    failing = SandboxOperator(task_id="t", backend=hook, command="echo Sup3r''SecretValue42 >&2; exit 3")
+    with pytest.raises(SandboxCommandError) as info:
+        failing.execute(make_context())
+    assert secret not in str(info.value)
+
+
+def test_a_command_rendering_to_nothing_fails_before_provisioning(hook):
+    op = SandboxOperator(task_id="t", backend=hook, command="{{ params.cmd }}", params={"cmd": ""})
+    context = make_context()
+    context["params"] = {"cmd": ""}
+    with pytest.raises(ValueError, match="command rendered to ''"):
+        render(op, context).execute(context)
+    assert hook.created == []
+
+
 def test_templated_command_and_export_url(hook, tmp_path):
     op = SandboxOperator(
         task_id="t",
@@ -209,6 +238,8 @@ def test_unknown_connection_type_fails_before_provisioning(add_connection, monke
         ({"owner": "a", "keep_sandbox": True, "spec": SandboxSpec(owner="b")}, "contradicts spec.owner"),
         ({"keep_sandbox": "yes"}, "keep_sandbox must be None, True or False"),
         ({"skip_on_exit_code": "99"}, "skip_on_exit_code"),
+        ({"skip_on_exit_code": 0}, "0 is success"),
+        ({"skip_on_exit_code": [1, 256]}, "from 1 to 255"),
         ({"backend": ""}, "backend must be"),
         ({"spec": {"env": {}}}, "spec must be a SandboxSpec"),
         ({"export_conn_id": ""}, "export_conn_id"),

@@ -228,3 +228,30 @@ def test_async_session_inside_an_except_block_still_exports(hook, tmp_path):
 
     asyncio.run(main())
     assert (tmp_path / "a").read_text() == "ok\n"
+
+
+def test_closed_while_provisioning_tears_down_and_runs_nothing(hook):
+    sessions = []
+
+    class KilledDuringCreate(LocalSandboxHook):
+        def create(self, *, spec=None):
+            handle = super().create(spec=spec)
+            sessions[0].close(succeeded=False)  # what on_kill does, in the thread it interrupts
+            return handle
+
+    killed = KilledDuringCreate(state_root=hook.state_root)
+    session = SandboxSession(killed)
+    sessions.append(session)
+    with pytest.raises(SandboxTerminalError, match="closed while sandbox .* was being provisioned"):
+        session.run("touch ran", timeout=30, max_output_bytes=10)
+    assert sandboxes(hook) == []
+
+
+def test_commands_with_nul_or_nothing_are_recoverable_errors(hook):
+    from sandbox_provider.sandbox import SandboxError
+
+    with SandboxSession(hook) as session:
+        for bad in ("echo a\0b", "", "   "):
+            with pytest.raises(SandboxError, match="cannot be run"):
+                session.run(bad, timeout=5, max_output_bytes=10)
+        assert session.handle is None

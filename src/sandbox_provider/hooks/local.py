@@ -667,8 +667,8 @@ class LocalSandboxHook(SandboxHook):
         """
         check_positive(timeout, "timeout")
         check_byte_count(max_output_bytes, "max_output_bytes")
-        if not isinstance(command, str) or not command.strip():
-            raise SandboxError("command must be a non-empty shell command string.")
+        if not isinstance(command, str) or not command.strip() or "\0" in command:
+            raise SandboxError("command must be a non-empty shell command line without NUL characters.")
         return self._exec(handle, ["/bin/sh", "-c", command], timeout=timeout, max_output_bytes=int(max_output_bytes))
 
     # -- files, resolved inside the sandbox ------------------------------------------------------------

@@ -12,7 +12,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 
 from sandbox_provider.hooks import get_sandbox_hook
 from sandbox_provider.sandbox.hook import SandboxHook
-from sandbox_provider.sandbox.output import tail_text
+from sandbox_provider.sandbox.output import mask_stream, tail_text
 from sandbox_provider.sandbox.session import SandboxSession
 from sandbox_provider.sandbox.spec import SandboxExecResult, SandboxSpec, check_byte_count, check_positive, dag_run_owner
 from sandbox_provider.sandbox.transfer import DEFAULT_MAX_EXPORT_BYTES, check_transfer_map
@@ -46,13 +46,15 @@ def _is_reference(value: Any) -> bool:
 def _check_exit_codes(value: Any) -> frozenset[int]:
     if value is None:
         return frozenset()
-    if isinstance(value, int) and not isinstance(value, bool):
-        return frozenset({value})
-    if isinstance(value, Collection) and not isinstance(value, (str, bytes)):
-        codes = list(value)
-        if all(isinstance(c, int) and not isinstance(c, bool) for c in codes):
-            return frozenset(codes)
-    raise ValueError(f"skip_on_exit_code must be an exit status or a list of them, got {value!r}.")
+    codes = [value] if isinstance(value, int) else list(value) if isinstance(value, Collection) else None
+    if codes is None or isinstance(value, (str, bytes)):
+        raise ValueError(f"skip_on_exit_code must be an exit status or a list of them, got {value!r}.")
+    bad = [c for c in codes if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= 255]
+    if bad:
+        raise ValueError(
+            f"skip_on_exit_code holds {bad!r}; give exit statuses from 1 to 255 (0 is success, which never skips)."
+        )
+    return frozenset(codes)
 
 
 def _check_conn_id(value: Any, name: str) -> str | None:
@@ -221,8 +223,8 @@ class SandboxOperator(BaseOperator):
         assert result is not None
         return {
             "exit_code": result.exit_code,
-            "stdout": tail_text(result.stdout, TAIL_CHARS),
-            "stderr": tail_text(result.stderr, TAIL_CHARS),
+            "stdout": tail_text(mask_stream(result.stdout, cut=result.stdout_truncated), TAIL_CHARS),
+            "stderr": tail_text(mask_stream(result.stderr, cut=result.stderr_truncated), TAIL_CHARS),
             "exports": {record.path: record.url for record in session.export_records},
         }
 
@@ -259,6 +261,11 @@ class SandboxOperator(BaseOperator):
 
     def execute(self, context: Context) -> Any:
         command, files = self._prepare(context)
+        if command is not None and (not isinstance(command, str) or not command.strip()):
+            raise ValueError(
+                f"command rendered to {command!r}, which is no command to run; check the template and the values "
+                "it reads."
+            )
         session = self._new_session(context, files)
         self._session = session
         self._kept_handle: str | None = None
@@ -295,7 +302,8 @@ class SandboxOperator(BaseOperator):
             self.log.info(
                 "Output was longer than max_output_bytes=%d; only its end is kept", self.max_output_bytes
             )
-        stderr_tail = tail_text(result.stderr.rstrip(), TAIL_CHARS) or "(no output on standard error)"
+        masked_stderr = mask_stream(result.stderr, cut=result.stderr_truncated).rstrip()
+        stderr_tail = tail_text(masked_stderr, TAIL_CHARS) or "(no output on standard error)"
         if result.sandbox_terminated:
             raise SandboxCommandError(
                 f"The sandbox ended while the command ran; its files are gone.\n{stderr_tail}"

@@ -228,6 +228,26 @@ def head_lines(lines: list[str], *, max_lines: int, max_bytes: int) -> tuple[lis
     return kept, len(lines) - len(kept)
 
 
+#: The most bytes :func:`mask_stream` drops from the start of a stream its producer cut.
+MASK_MARGIN_BYTES = 4096
+
+
+def mask_stream(text: str, *, cut: bool) -> str:
+    """
+    Mask the secrets in the tail of a stream, also when the producer cut its start.
+
+    A cut at the start of a stream may split a secret, and the piece left no longer matches what
+    the masker knows. That piece lies within the first bytes, shorter than the longest secret, so
+    those bytes are dropped (at most :data:`MASK_MARGIN_BYTES`; ask the producer for that much more
+    than you show, and the drop costs no output).
+    """
+    text = mask_text(text)
+    if cut:
+        longest = longest_secret_bytes()
+        text = drop_head_bytes(text, MASK_MARGIN_BYTES if longest is None else min(MASK_MARGIN_BYTES, longest))
+    return text
+
+
 def drop_head_bytes(text: str, n: int) -> str:
     """Drop the first ``n`` UTF-8 bytes of ``text`` (a character split at the cut is dropped too)."""
     data = text.encode("utf-8")

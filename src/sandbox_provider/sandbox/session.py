@@ -243,6 +243,12 @@ class SandboxSession:
                     ) from err
                 self._handle = handle
                 log.info("Provisioned sandbox %s on backend %s", handle, self.hook.name)
+            if self._closed:
+                # Closed while provisioning (on_kill runs in the thread it interrupts): tear down
+                # what was just made, and let nothing run in it.
+                handle, self._handle = self._handle, None
+                self._teardown(handle)
+                raise SandboxTerminalError(f"The session was closed while sandbox {handle} was being provisioned.")
             try:
                 stage_files(self.hook, self._handle, self.files)
                 stage_inputs(self.hook, self._handle, self.inputs, conn_id=self.input_conn_id)
@@ -266,6 +272,8 @@ class SandboxSession:
         """
         check_positive(timeout, "timeout")
         check_byte_count(max_output_bytes, "max_output_bytes")
+        if not isinstance(command, str) or not command.strip() or "\0" in command:
+            raise SandboxError(f"{command!r} cannot be run: give a non-empty command line without NUL characters.")
         handle = self.ensure()
         budget = float(timeout)
         left = self.remaining_lifetime()

@@ -206,14 +206,14 @@ def check_positive(value: Any, name: str, *, allow_none: bool = False) -> Any:
     return value
 
 
-def check_byte_count(value: Any, name: str) -> int:
+def check_byte_count(value: Any, name: str, *, unit: str = "bytes") -> int:
     """
-    Return ``value`` if it is a whole, positive number of bytes (bools refused).
+    Return ``value`` if it is a whole, positive number of ``unit`` (bools refused).
 
     :raises ValueError: naming ``name`` otherwise.
     """
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a whole, positive number of bytes, got {value!r}.")
+        raise ValueError(f"{name} must be a whole, positive number of {unit}, got {value!r}.")
     return value
 
 

@@ -24,24 +24,20 @@ from typing_extensions import TypedDict
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
 from sandbox_provider.sandbox.hook import SandboxHook
 from sandbox_provider.sandbox.output import (
-    drop_head_bytes,
     file_window,
     format_size,
     head_lines,
-    longest_secret_bytes,
+    MASK_MARGIN_BYTES,
+    mask_stream,
     mask_text,
     tail_lines,
 )
 from sandbox_provider.sandbox.session import SandboxSession
-from sandbox_provider.sandbox.spec import OWNER_TAG, SandboxSpec, check_positive, is_sandbox_handle
+from sandbox_provider.sandbox.spec import OWNER_TAG, SandboxSpec, check_byte_count, check_positive, is_sandbox_handle
 from sandbox_provider.sandbox.transfer import DEFAULT_MAX_EXPORT_BYTES, check_transfer_map
 
 __all__ = ["SandboxToolset"]
 
-#: Extra bytes asked of the backend per stream beyond ``max_output_bytes``. When the backend cut a
-#: stream, up to this much of its (masked) start is discarded, so a secret split by the backend's
-#: cut cannot leave a piece the masker no longer recognises (secrets up to this size are covered).
-MASK_MARGIN_BYTES = 4096
 
 _OPERATIONS = ("run_command", "read_file", "write_file", "list_directory")
 _TOOL_RETRIES = 3
@@ -201,15 +197,15 @@ class SandboxToolset(AbstractToolset[Any]):
                 "backend must be a sandbox hook instance such as LocalSandboxHook(), "
                 f"got {type(backend).__name__}."
             )
+        check_positive(default_command_timeout, "default_command_timeout")
+        check_positive(max_command_timeout, "max_command_timeout")
         for name, value in (
-            ("default_command_timeout", default_command_timeout),
-            ("max_command_timeout", max_command_timeout),
             ("max_output_bytes", max_output_bytes),
-            ("max_output_lines", max_output_lines),
             ("max_read_bytes", max_read_bytes),
             ("max_export_bytes", max_export_bytes),
         ):
-            check_positive(value, name)
+            check_byte_count(value, name)
+        check_byte_count(max_output_lines, "max_output_lines", unit="lines")
         if default_command_timeout > max_command_timeout:
             raise ValueError(
                 f"default_command_timeout ({default_command_timeout}) must not exceed max_command_timeout "
@@ -554,17 +550,9 @@ class SandboxToolset(AbstractToolset[Any]):
         return mask_text(text)
 
     def _shape(self, text: str, *, cut: bool) -> str:
-        # Mask before any cut of ours, so no cut can split a secret the masker would have caught.
-        text = mask_text(text)
-        if cut:
-            # The backend cut the start of this stream and may have split a secret there; the piece
-            # left no longer matches, so masking cannot catch it. It lies within the first bytes,
-            # shorter than the longest secret, so drop that many. The backend kept
-            # MASK_MARGIN_BYTES more than is shown, so this costs no output.
-            longest = longest_secret_bytes()
-            text = drop_head_bytes(
-                text, MASK_MARGIN_BYTES if longest is None else min(MASK_MARGIN_BYTES, longest)
-            )
+        # Mask before any cut of ours, so no cut can split a secret the masker would have caught;
+        # the backend kept MASK_MARGIN_BYTES more than is shown, for what a cut of its own needs.
+        text = mask_stream(text, cut=cut)
         return tail_lines(
             text, max_lines=self.max_output_lines, max_bytes=self.max_output_bytes, already_cut=cut
         )
