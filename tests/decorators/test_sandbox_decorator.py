@@ -305,6 +305,28 @@ def test_a_dag_file_named_like_the_runner(hook, tmp_path):
     assert run(module.add, hook, 2, 3) == 5
 
 
+def test_a_decorator_that_would_be_dropped_is_refused_at_parse_time():
+    import functools
+
+    def logged(fn):
+        @functools.wraps(fn)
+        def wrapper(*args):
+            return {"wrapped": fn(*args)}
+
+        return wrapper
+
+    globals()["logged"] = logged
+    try:
+        with pytest.raises(ValueError, match=r"carries @logged, which would be dropped"):
+
+            @task.sandbox
+            @logged
+            def wrapped(x):
+                return x
+    finally:
+        del globals()["logged"]
+
+
 def test_exit_without_a_return_value_fails_clearly(hook):
     with pytest.raises(SandboxCommandError, match=r"left no return value.*sys.exit"):
         run(exits_quietly, hook)

@@ -176,12 +176,36 @@ def shipped_source(fn: Callable) -> tuple[str, str, int]:
         raise ValueError(
             f"Could not find the def of {fn.__name__}() in its source to ship it into the sandbox."
         )
+    foreign = [d for d in node.decorator_list if _is_foreign_decorator(d, fn)]
+    if foreign:
+        names = ", ".join("@" + ast.unparse(d) for d in foreign)
+        raise ValueError(
+            f"{fn.__name__}() carries {names}, which would be dropped when its body is shipped into the sandbox. "
+            "Call that logic inside the function instead, or put @task.sandbox on a function without it."
+        )
     kept = text.splitlines()
     for decorator in node.decorator_list:
         # The "@" sits on the decorator's first line; blank through its last.
         for index in range(decorator.lineno - 1, (decorator.end_lineno or decorator.lineno)):
             kept[index] = ""
     return "\n".join(kept) + "\n", node.name, max(1, first_line)
+
+
+def _is_foreign_decorator(decorator: ast.expr, fn: Callable) -> bool:
+    """
+    True for a decorator that is neither ``@task.sandbox`` (however spelled) nor one of Airflow's
+    own (``@setup``, ``@task.skip_if``, ...), which apply to the task rather than the function.
+    A name that cannot be looked up (a local alias) is given the benefit of the doubt.
+    """
+    target = decorator.func if isinstance(decorator, ast.Call) else decorator
+    try:
+        value = eval(compile(ast.Expression(target), "<decorator>", "eval"), dict(fn.__globals__))  # noqa: S307
+    except Exception:
+        return False
+    if value is sandbox_task:
+        return False
+    module = getattr(value, "__module__", None) or type(value).__module__ or ""
+    return not (module.startswith("airflow.") or module.startswith("sandbox_provider."))
 
 
 def _outdent(lines: list[str]) -> str:
@@ -369,6 +393,7 @@ def sandbox_task(
     """
     if python_callable is not None:
         _check_callable(python_callable)
+        shipped_source(python_callable)
     return task_decorator_factory(
         python_callable=python_callable,
         multiple_outputs=multiple_outputs,
