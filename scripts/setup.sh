@@ -3,6 +3,8 @@
 #
 # Idempotent and quick when everything is already there. Environment:
 #   SANDBOX_VENV   where the virtualenv goes (default: .venv in the repository)
+#   SANDBOX_LOCK   the lock file to install (default: requirements.lock; requirements-airflow-3.2.lock
+#                  holds the oldest Airflow supported)
 #   PYTHON         the interpreter to build it from (default: python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +29,8 @@ if [ "${#missing[@]}" -gt 0 ]; then
 fi
 
 VENV="${SANDBOX_VENV:-$PWD/.venv}"
-stamp="$VENV/.lock-$(sha256sum requirements.lock pyproject.toml | sha256sum | cut -c1-16)"
+LOCK="${SANDBOX_LOCK:-requirements.lock}"
+stamp="$VENV/.lock-$(sha256sum "$LOCK" pyproject.toml | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then
   exit 0
 fi
@@ -41,7 +44,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   uv venv -q -p "$PY" "$VENV"
 fi
 log "installing locked dependencies into $VENV (first run takes a few minutes)"
-uv pip install -q -p "$VENV/bin/python" -r requirements.lock
+uv pip install -q -p "$VENV/bin/python" -r "$LOCK"
 uv pip install -q -p "$VENV/bin/python" --no-deps -e .
 rm -f "$VENV"/.lock-*
 touch "$stamp"
