@@ -255,3 +255,15 @@ def test_commands_with_nul_or_nothing_are_recoverable_errors(hook):
             with pytest.raises(SandboxError, match="cannot be run"):
                 session.run(bad, timeout=5, max_output_bytes=10)
         assert session.handle is None
+
+
+def test_export_never_replaces_a_device_or_pipe(hook, tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(SandboxTerminalError, match="not a regular file"):
+        with SandboxSession(hook, exports={"a": fifo.as_uri()}) as session:
+            session.run("echo x > a", timeout=30, max_output_bytes=10)
+    import stat
+
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe", "state"]

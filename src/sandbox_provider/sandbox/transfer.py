@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import secrets
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -111,6 +113,15 @@ def open_storage_path(url: str, conn_id: str | None, what: str) -> ObjectStorage
     return path
 
 
+def _is_special_file(local_path: str) -> bool:
+    """True when something other than a regular file, a directory or a symlink is at ``local_path``."""
+    try:
+        mode = os.lstat(local_path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode))
+
+
 def _is_local(path: ObjectStoragePath) -> bool:
     protocol = path.fs.protocol
     return "file" in (protocol if isinstance(protocol, (tuple, list)) else (protocol,))
@@ -167,6 +178,12 @@ def export_files(
             raise SandboxTerminalError(
                 f"Could not export {path!r} from sandbox {handle}: its destination {url} is a directory. Name a "
                 "file, e.g. " + url.rstrip("/") + "/" + path.rsplit("/", 1)[-1] + "."
+            )
+        if _is_local(target) and _is_special_file(target.path):
+            # Publishing renames over the destination: a device such as /dev/null would be replaced.
+            raise SandboxTerminalError(
+                f"Could not export {path!r} from sandbox {handle}: its destination {url} exists and is not a "
+                "regular file (a device, pipe or socket), which an export would replace. Name a regular file."
             )
         targets[path] = target
     staged: list[tuple[str, ObjectStoragePath, ObjectStoragePath, int]] = []
