@@ -267,3 +267,10 @@ def test_export_never_replaces_a_device_or_pipe(hook, tmp_path):
 
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe", "state"]
+
+
+def test_an_input_that_is_a_device_is_refused(hook):
+    with pytest.raises(SandboxTerminalError, match="/dev/zero is not a regular file"):
+        with SandboxSession(hook, inputs={"zeros": "file:///dev/zero"}) as session:
+            session.ensure()
+    assert sandboxes(hook) == []

@@ -142,6 +142,8 @@ def stage_inputs(hook: SandboxHook, handle: str, inputs: Mapping[str, str], *, c
     """
     for path, url in inputs.items():
         source = open_storage_path(url, conn_id, f"inputs[{path!r}]")
+        if _is_local(source) and _is_special_file(source.path):
+            raise SandboxError(f"Input {url} is not a regular file (a device, pipe or socket); stage a file instead.")
         try:
             with source.open("rb") as stream:
                 size = hook.import_file(handle, path, stream)
