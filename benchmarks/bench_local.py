@@ -24,7 +24,7 @@ import tempfile
 import time
 
 from sandbox_provider.hooks.local import LocalSandboxHook
-from sandbox_provider.sandbox import SandboxSession, SandboxSpec
+from sandbox_provider.sandbox import SandboxSpec
 from sandbox_provider.sandbox.transfer import export_files
 
 
