@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_decorator_factory
 from airflow.sdk.definitions.context import KNOWN_CONTEXT_KEYS
 
-from sandbox_provider.operators.sandbox import SandboxCommandError, SandboxOperator
+from sandbox_provider.operators.sandbox import SandboxCommandError, SandboxOperator, _is_reference
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError
 from sandbox_provider.sandbox.output import format_size
 
@@ -99,12 +99,6 @@ def _check_callable(fn: Any) -> None:
 def _no_constant(name: str) -> Any:
     """Refuse NaN and the infinities in a result: they are not JSON, whatever Python's parser allows."""
     raise ValueError(f"{name} is not a JSON value")
-
-
-def _is_reference(value: Any) -> bool:
-    from airflow.sdk.definitions._internal.mixins import ResolveMixin
-
-    return isinstance(value, ResolveMixin)
 
 
 def _json_problem(value: Any, *, allow_references: bool) -> str | None:

@@ -54,7 +54,7 @@ from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
-from sandbox_provider.sandbox.hook import FILE_OP_TIMEOUT, SandboxHook, check_export_size
+from sandbox_provider.sandbox.hook import FILE_OP_TIMEOUT, TOO_LARGE_STATUS, SandboxHook, check_export_size
 from sandbox_provider.sandbox.output import TailBuffer
 from sandbox_provider.sandbox.spec import (
     DEFAULT_WORKDIR,
@@ -701,8 +701,8 @@ class LocalSandboxHook(SandboxHook):
 
         script = self._checks(path, max_bytes) + f"exec head -c {int(max_bytes) + 1} -- {shlex.quote(path)}"
         result = self._script(handle, script, stdout_sink=sink)
-        size = self._size_from(result)
-        if result.exit_code == 69 or seen[0] > max_bytes:
+        size = self._reported_size(result.stderr)
+        if result.exit_code == TOO_LARGE_STATUS or seen[0] > max_bytes:
             raise SandboxFileTooLargeError(path, max(size or 0, seen[0]), max_bytes)
         if not result.ok:
             raise self._fail(result, path, "reading")
@@ -768,8 +768,8 @@ class LocalSandboxHook(SandboxHook):
             copied[0] = os.lseek(out_fd, 0, os.SEEK_CUR) - start
             if copied[0] > max_bytes:
                 raise SandboxFileTooLargeError(path, copied[0], max_bytes)
-        size = self._size_from(result)
-        if result.exit_code == 69:
+        size = self._reported_size(result.stderr)
+        if result.exit_code == TOO_LARGE_STATUS:
             raise SandboxFileTooLargeError(path, size or max_bytes + 1, max_bytes)
         if not result.ok:
             raise self._fail(result, path, "exporting")

@@ -31,12 +31,9 @@ from typing import IO, Any, TypeVar
 
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
 from sandbox_provider.sandbox.hook import (
-    _IS_DIR,
-    _MISSING,
-    _NOT_REGULAR,
-    _TOO_LARGE,
     FILE_OP_TIMEOUT,
     STREAM_CHUNK_BYTES,
+    TOO_LARGE_STATUS,
     SandboxHook,
     check_export_size,
 )
@@ -82,7 +79,6 @@ STREAM_GRACE = 30.0
 #: Longest pause between two attempts of a call that hit a transient API error, in seconds.
 MAX_BACKOFF = 8.0
 
-_SIZE_MARK = "sandbox-size:"
 _HOSTNAME_LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
 
 # Address ranges a sandbox can never reach through Modal's address allowlist, or must not try to:
@@ -812,13 +808,7 @@ class ModalSandboxHook(SandboxHook):
         check_byte_count(max_bytes, "max_bytes")
         tracked = self._lookup(handle)
         target = self._abs(tracked, path)
-        q = shlex.quote(target)
-        script = (
-            f"[ -e {q} ] && [ -r {q} ] || exit {_MISSING}; [ -d {q} ] && exit {_IS_DIR}; "
-            f"[ -f {q} ] || exit {_NOT_REGULAR}; s=$(stat -Lc %s -- {q}) || exit {_MISSING}; "
-            f'echo {_SIZE_MARK}$s >&2; [ "$s" -gt {int(max_bytes)} ] && exit {_TOO_LARGE}; '
-            f"exec head -c {int(max_bytes) + 1} -- {q}"
-        )
+        script = self._checks(target, max_bytes) + f"exec head -c {int(max_bytes) + 1} -- {shlex.quote(target)}"
         budget = FILE_OP_TIMEOUT + max_bytes / (4 * 1024 * 1024)
         seconds, _ = self._deadline_for(handle, tracked, budget)
         process = self._exec(tracked, handle, script, seconds, f"{verb} {path!r}")
@@ -838,16 +828,12 @@ class ModalSandboxHook(SandboxHook):
         except exc.Error as err:
             raise self._translate(err, f"{verb} {path!r}", handle) from err
         errors.join(STREAM_GRACE)
-        found = re.findall(rf"{_SIZE_MARK}(\d+)", errors.text())
-        size = int(found[-1]) if found else None
-        if code == _TOO_LARGE:
+        size = self._reported_size(errors.text())
+        if code == TOO_LARGE_STATUS:
             raise SandboxFileTooLargeError(path, size or max_bytes + 1, max_bytes)
-        if code == _MISSING:
-            raise SandboxError(f"{path!r} does not exist in the sandbox, or cannot be read.")
-        if code == _IS_DIR:
-            raise SandboxError(f"{path!r} is a directory; list it with list_directory.")
-        if code == _NOT_REGULAR:
-            raise SandboxError(f"{path!r} is not a regular file.")
+        known = self._file_status_error(code, path)
+        if known is not None:
+            raise known
         if code == -1:
             raise SandboxError(f"Timed out after {seconds}s while {verb} {path!r}.")
         if code != 0:

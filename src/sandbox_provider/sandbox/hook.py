@@ -49,6 +49,8 @@ STREAM_CHUNK_BYTES = 1024 * 1024
 
 # Exit statuses the guest-side checks use; chosen outside what coreutils return.
 _MISSING, _IS_DIR, _NOT_REGULAR, _TOO_LARGE = 66, 67, 68, 69
+#: The status :meth:`SandboxHook._checks` exits with for a file over the budget.
+TOO_LARGE_STATUS = _TOO_LARGE
 _SIZE_MARK = "sandbox-size:"
 
 
@@ -193,22 +195,35 @@ class SandboxHook(BaseHook):
         return self.run_command(handle, script, timeout=timeout, max_output_bytes=max_output_bytes)
 
     @staticmethod
-    def _fail(result: SandboxExecResult, path: str, verb: str) -> SandboxError:
+    def _file_status_error(code: int, path: str) -> SandboxError | None:
+        """The error a :meth:`_checks` exit status stands for (too large excepted), or None."""
+        if code == _MISSING:
+            return SandboxError(f"{path!r} does not exist in the sandbox, or cannot be read.")
+        if code == _IS_DIR:
+            return SandboxError(f"{path!r} is a directory; list it with list_directory.")
+        if code == _NOT_REGULAR:
+            return SandboxError(f"{path!r} is not a regular file.")
+        return None
+
+    @classmethod
+    def _fail(cls, result: SandboxExecResult, path: str, verb: str) -> SandboxError:
         if result.sandbox_terminated:
             return SandboxTerminalError(f"The sandbox ended while {verb} {path!r}.")
         if result.timed_out:
             return SandboxError(f"Timed out while {verb} {path!r}.")
-        if result.exit_code == _MISSING:
-            return SandboxError(f"{path!r} does not exist in the sandbox, or cannot be read.")
-        if result.exit_code == _IS_DIR:
-            return SandboxError(f"{path!r} is a directory; list it with list_directory.")
-        if result.exit_code == _NOT_REGULAR:
-            return SandboxError(f"{path!r} is not a regular file.")
+        known = cls._file_status_error(result.exit_code, path)
+        if known is not None:
+            return known
         detail = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit status {result.exit_code}"
         return SandboxError(f"Could not finish {verb} {path!r}: {detail}")
 
     @staticmethod
     def _checks(path: str, max_bytes: int | None) -> str:
+        """
+        Shell that exits with a reserved status unless ``path`` is a readable regular file of at
+        most ``max_bytes``, and prints its size to stderr for :meth:`_reported_size`; continue it
+        with the copy.
+        """
         q = shlex.quote(path)
         script = (
             f"[ -e {q} ] && [ -r {q} ] || exit {_MISSING}; [ -d {q} ] && exit {_IS_DIR}; "
@@ -220,8 +235,9 @@ class SandboxHook(BaseHook):
         return script
 
     @staticmethod
-    def _size_from(result: SandboxExecResult) -> int | None:
-        found = re.findall(rf"{_SIZE_MARK}(\d+)", result.stderr)
+    def _reported_size(stderr: str) -> int | None:
+        """The size :meth:`_checks` printed to ``stderr`` (the last one, past any other noise)."""
+        found = re.findall(rf"{_SIZE_MARK}(\d+)", stderr)
         return int(found[-1]) if found else None
 
     def read_file(self, handle: str, path: str, *, max_bytes: int) -> bytes:
@@ -236,7 +252,7 @@ class SandboxHook(BaseHook):
         q = shlex.quote(check_path(path))
         script = self._checks(path, max_bytes) + f"head -c {int(max_bytes) + 1} -- {q} | base64"
         result = self._shell(handle, script, max_output_bytes=_b64_cap(int(max_bytes)))
-        size = self._size_from(result)
+        size = self._reported_size(result.stderr)
         if result.exit_code == _TOO_LARGE:
             raise SandboxFileTooLargeError(path, size or max_bytes + 1, max_bytes)
         if not result.ok:
@@ -323,7 +339,7 @@ class SandboxHook(BaseHook):
         check_byte_count(max_bytes, "max_bytes")
         check_path(path)
         result = self._shell(handle, self._checks(path, max_bytes) + "true", max_output_bytes=64 * 1024)
-        size = self._size_from(result)
+        size = self._reported_size(result.stderr)
         if result.exit_code == _TOO_LARGE:
             raise SandboxFileTooLargeError(path, size or max_bytes + 1, max_bytes)
         if not result.ok:
