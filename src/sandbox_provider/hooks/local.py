@@ -68,6 +68,7 @@ from sandbox_provider.sandbox.spec import (
     check_byte_count,
     check_path,
     check_positive,
+    check_workdir,
     encode_network_policy,
     is_named_sandbox,
     new_sandbox_name,
@@ -784,9 +785,7 @@ LocalSandboxBackend = LocalSandboxHook
 
 
 def _check_workdir(workdir: Any) -> str:
-    if not isinstance(workdir, str) or not workdir.startswith("/") or "\0" in workdir:
-        raise ValueError(f"workdir must be an absolute path such as '/workspace', got {workdir!r}.")
-    normal = os.path.normpath(workdir)
+    normal = check_workdir(workdir)
     for reserved in _RESERVED_WORKDIRS:
         if normal == reserved or (reserved != "/" and normal.startswith(reserved + "/")):
             raise ValueError(

@@ -49,6 +49,7 @@ from sandbox_provider.sandbox.spec import (
     check_handle,
     check_byte_count,
     check_positive,
+    check_workdir,
     encode_network_policy,
     new_sandbox_name,
 )
@@ -155,12 +156,6 @@ def _check_image(image: Any) -> Any:
         f"image must be a registry tag (a string) or a modal.Image, got {type(image).__name__}. Build one with "
         "modal.Image.from_registry('python:3.12-slim').pip_install(...)."
     )
-
-
-def _check_workdir(workdir: Any) -> str:
-    if not isinstance(workdir, str) or not workdir.startswith("/") or "\0" in workdir:
-        raise ValueError(f"workdir must be an absolute path such as '/workspace', got {workdir!r}.")
-    return posixpath.normpath(workdir)
 
 
 def _check_optional_text(value: Any, name: str) -> str | None:
@@ -345,7 +340,7 @@ class ModalSandboxHook(SandboxHook):
             if idle_timeout is None
             else _whole_seconds(idle_timeout, "idle_timeout", low=1, high=self.sandbox_timeout)
         )
-        self.workdir = _check_workdir(workdir)
+        self.workdir = check_workdir(workdir)
         self.cpu = check_positive(cpu, "cpu", allow_none=True)
         if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0):
             raise ValueError(f"memory must be a positive whole number of MiB, got {memory!r}.")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import posixpath
 import re
 import secrets
 from collections.abc import Mapping, Sequence
@@ -26,6 +27,7 @@ __all__ = [
     "check_handle",
     "check_path",
     "check_positive",
+    "check_workdir",
     "dag_run_owner",
     "decode_network_policy",
     "encode_network_policy",
@@ -215,6 +217,17 @@ def check_byte_count(value: Any, name: str, *, unit: str = "bytes") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a whole, positive number of {unit}, got {value!r}.")
     return value
+
+
+def check_workdir(workdir: Any) -> str:
+    """
+    Return ``workdir`` normalised, if it is an absolute POSIX path without NUL.
+
+    :raises ValueError: otherwise.
+    """
+    if not isinstance(workdir, str) or not workdir.startswith("/") or "\0" in workdir:
+        raise ValueError(f"workdir must be an absolute path such as '/workspace', got {workdir!r}.")
+    return posixpath.normpath(workdir)
 
 
 def check_path(path: Any) -> str:
