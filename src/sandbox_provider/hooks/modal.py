@@ -13,7 +13,6 @@ that build a :class:`ModalSandboxHook` parse on machines without the ``modal`` e
 
 from __future__ import annotations
 
-import collections
 import io
 import ipaddress
 import logging
@@ -23,13 +22,13 @@ import re
 import shlex
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any, TypeVar
 
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
+from sandbox_provider.sandbox.output import StreamDrain, TailBuffer
 from sandbox_provider.sandbox.hook import (
     FILE_OP_TIMEOUT,
     STREAM_CHUNK_BYTES,
@@ -738,7 +737,7 @@ class ModalSandboxHook(SandboxHook):
         started = self._monotonic()
         process = self._exec(tracked, handle, command, seconds, "starting a command")
         cap = int(max_output_bytes)
-        stdout, stderr = _TailReader(process.stdout, cap), _TailReader(process.stderr, cap)
+        stdout, stderr = StreamDrain(process.stdout, TailBuffer(cap)), StreamDrain(process.stderr, TailBuffer(cap))
         stdout.start()
         stderr.start()
         died: BaseException | None = None
@@ -776,11 +775,11 @@ class ModalSandboxHook(SandboxHook):
             log.warning("Modal sandbox %s ended during a command", handle)
         return SandboxExecResult(
             exit_code=exit_code,
-            stdout=stdout.text(),
-            stderr=stderr.text(),
+            stdout=stdout.sink.text(whole_lines=True),
+            stderr=stderr.sink.text(whole_lines=True),
             timed_out=timed_out,
-            stdout_truncated=stdout.truncated or stuck,
-            stderr_truncated=stderr.truncated or stuck,
+            stdout_truncated=stdout.sink.truncated or stuck,
+            stderr_truncated=stderr.sink.truncated or stuck,
             sandbox_terminated=terminated,
             applied_timeout=float(seconds),
         )
@@ -807,7 +806,7 @@ class ModalSandboxHook(SandboxHook):
         budget = FILE_OP_TIMEOUT + max_bytes / (4 * 1024 * 1024)
         seconds, _ = self._deadline_for(handle, tracked, budget)
         process = self._exec(tracked, handle, script, seconds, f"{verb} {path!r}")
-        errors = _TailReader(process.stderr, 64 * 1024)
+        errors = StreamDrain(process.stderr, TailBuffer(64 * 1024))
         errors.start()
         copied = 0
         exc = sys.modules["modal"].exception
@@ -823,7 +822,7 @@ class ModalSandboxHook(SandboxHook):
         except exc.Error as err:
             raise self._translate(err, f"{verb} {path!r}", handle) from err
         errors.join(STREAM_GRACE)
-        size = self._reported_size(errors.text())
+        size = self._reported_size(errors.sink.text(whole_lines=True))
         if code == TOO_LARGE_STATUS:
             raise SandboxFileTooLargeError(path, size or max_bytes + 1, max_bytes)
         known = self._file_status_error(code, path)
@@ -835,7 +834,7 @@ class ModalSandboxHook(SandboxHook):
             if self._has_ended(handle):
                 self._tracked.pop(handle, None)
                 raise SandboxTerminalError(f"Sandbox {handle!r} ended while {verb} {path!r}.")
-            detail = errors.text().strip().splitlines()[-1:] or [f"exit status {code}"]
+            detail = errors.sink.text(whole_lines=True).strip().splitlines()[-1:] or [f"exit status {code}"]
             raise SandboxError(f"Could not finish {verb} {path!r}: {detail[0]}")
         if size is None:
             raise SandboxError(f"The sandbox did not report the size of {path!r}.")
@@ -1006,48 +1005,6 @@ class ModalSandboxHook(SandboxHook):
             log.warning("Could not end Modal sandbox %s; Modal ends it at its lifetime: %s", handle, err)
         else:
             log.info("Asked Modal to end sandbox %s", handle)
-
-
-class _TailReader(threading.Thread):
-    """Drain one output stream of a Modal process in the background, keeping the last ``cap`` bytes."""
-
-    def __init__(self, stream: Any, cap: int) -> None:
-        super().__init__(daemon=True)
-        self._stream = stream
-        self._cap = cap
-        self._chunks: collections.deque[bytes] = collections.deque()
-        self._held = 0
-        self.truncated = False
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        try:
-            for chunk in self._stream:
-                if isinstance(chunk, str):
-                    chunk = chunk.encode()
-                self._chunks.append(chunk)
-                self._held += len(chunk)
-                while self._held > self._cap:
-                    extra = self._held - self._cap
-                    head = self._chunks[0]
-                    if len(head) <= extra:
-                        self._chunks.popleft()
-                        self._held -= len(head)
-                    else:
-                        self._chunks[0] = head[extra:]
-                        self._held -= extra
-                    self.truncated = True
-        except BaseException as err:  # noqa: BLE001 - handed to the caller, which decides
-            self.error = err
-
-    def text(self) -> str:
-        data = b"".join(self._chunks)
-        if self.truncated:
-            cut = data.find(b"\n")
-            # Drop the partial first line when that still leaves most of the window.
-            if 0 <= cut < len(data) // 2:
-                data = data[cut + 1 :]
-        return data.decode("utf-8", errors="replace")
 
 
 #: The name the public guide uses for this backend.

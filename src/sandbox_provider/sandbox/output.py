@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import threading
-from typing import IO
+from collections.abc import Iterable
 
 __all__ = [
     "TailBuffer",
-    "drain_into",
+    "StreamDrain",
     "drop_head_bytes",
     "file_window",
     "format_size",
@@ -51,27 +51,40 @@ class TailBuffer:
             return bytes(self._buf[len(self._buf) - self.limit :])
         return bytes(self._buf)
 
-    def text(self) -> str:
-        """The kept bytes decoded as UTF-8; a character cut at the start is replaced, not fatal."""
-        return self.getvalue().decode("utf-8", errors="replace")
+    def text(self, *, whole_lines: bool = False) -> str:
+        """
+        The kept bytes decoded as UTF-8; a character cut at the start is replaced, not fatal.
+
+        :param whole_lines: after a cut, drop the partial first line too, when that still leaves
+            most of what was kept.
+        """
+        data = self.getvalue()
+        if whole_lines and self.truncated:
+            cut = data.find(b"\n")
+            if 0 <= cut < len(data) // 2:
+                data = data[cut + 1 :]
+        return data.decode("utf-8", errors="replace")
 
 
-def drain_into(stream: IO[bytes], sink: TailBuffer, chunk: int = 65536) -> threading.Thread:
-    """Start a daemon thread that reads ``stream`` to its end into ``sink``; return the thread."""
+class StreamDrain(threading.Thread):
+    """
+    A daemon thread that reads an iterable of chunks (bytes, or text encoded as UTF-8) to its end
+    into a :class:`TailBuffer`. An exception from the stream ends the thread and is kept in ``error``
+    for the caller to judge.
+    """
 
-    def _pump() -> None:
+    def __init__(self, chunks: Iterable[bytes | str], sink: TailBuffer) -> None:
+        super().__init__(daemon=True, name="sandbox-output")
+        self._chunks = chunks
+        self.sink = sink
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
         try:
-            while True:
-                data = stream.read1(chunk) if hasattr(stream, "read1") else stream.read(chunk)
-                if not data:
-                    break
-                sink.write(data)
-        except (OSError, ValueError):
-            pass
-
-    thread = threading.Thread(target=_pump, daemon=True, name="sandbox-output")
-    thread.start()
-    return thread
+            for chunk in self._chunks:
+                self.sink.write(chunk.encode() if isinstance(chunk, str) else chunk)
+        except BaseException as err:  # noqa: BLE001 - handed to the caller, which decides
+            self.error = err
 
 
 def tail_text(text: str, max_chars: int) -> str:
