@@ -33,7 +33,7 @@ from sandbox_provider.sandbox.output import (
     tail_lines,
 )
 from sandbox_provider.sandbox.session import SandboxSession
-from sandbox_provider.sandbox.spec import OWNER_TAG, SandboxSpec, check_byte_count, check_positive, is_sandbox_handle
+from sandbox_provider.sandbox.spec import OWNER_TAG, SandboxSpec, check_byte_count, check_positive
 from sandbox_provider.sandbox.transfer import DEFAULT_MAX_EXPORT_BYTES, check_transfer_map
 
 __all__ = ["SandboxToolset"]
@@ -315,27 +315,10 @@ class SandboxToolset(AbstractToolset[Any]):
     def _copy_for_run(self) -> SandboxToolset:
         run_copy = copy.copy(self)
         run_copy._reset_run_state()
-        run_copy._check_rendered_handle()
         return run_copy
 
-    def _check_rendered_handle(self) -> None:
-        if self._attach_mode and not is_sandbox_handle(self.attach_to):
-            raise SandboxTerminalError(
-                f"attach_to rendered to {self.attach_to!r}, which is not a sandbox handle. The task that "
-                "provisions the sandbox returned nothing, or this task does not depend on it and ran first; "
-                "check the upstream task and the XCom it returns."
-            )
-
     def _new_session(self) -> SandboxSession:
-        self._check_rendered_handle()
-        context = None
-        if self._attach_mode:
-            try:
-                from airflow.sdk import get_current_context
-
-                context = get_current_context()
-            except Exception:  # noqa: BLE001 - outside a task: the session asks for an explicit owner
-                context = None
+        # The session checks the rendered handle, and takes owner and holder from the running task.
         return SandboxSession(
             self.backend,
             spec=None if self._attach_mode else (self.spec or SandboxSpec()),
@@ -344,7 +327,6 @@ class SandboxToolset(AbstractToolset[Any]):
             exports=self.exports or None,
             export_conn_id=self.export_conn_id,
             max_export_bytes=self.max_export_bytes,
-            context=context,
         )
 
     def _open(self) -> None:
