@@ -118,7 +118,6 @@ _ETC_ENTRIES = (
 _NETWORK_ETC = ("resolv.conf", "gai.conf")
 _STAMPS = "stamps.json"
 _ENV = "env.json"
-_BWRAP_EXIT_SETUP = 1  # bwrap's own status when the sandbox could not be set up
 _EXPORT_MIN_RATE = 1024 * 1024  # bytes per second a local export is allowed to be slow to
 
 
