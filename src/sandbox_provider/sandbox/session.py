@@ -178,13 +178,12 @@ class SandboxSession:
 
     def open(self) -> None:
         """
-        Check what can be checked before provisioning: the rendered export and input URLs, that
-        no two exports share a destination, and that a filesystem for each URL's scheme exists.
+        Check what the constructor could not, before provisioning: that a filesystem for each
+        export and input URL's scheme exists (and its connection resolves); then attach, in
+        attach mode, so a wrong owner or holder fails before any work.
 
         :raises ValueError: naming the entry to fix.
         """
-        self.exports = check_transfer_map(self.exports, "exports", urls=True)
-        self.inputs = check_transfer_map(self.inputs, "inputs", urls=True)
         for path, url in self.exports.items():
             open_storage_path(url, self.export_conn_id, f"exports[{path!r}]")
         for path, url in self.inputs.items():
