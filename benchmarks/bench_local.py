@@ -71,8 +71,10 @@ def main() -> None:
 
         raw_s = median_seconds(raw, args.runs)
         ours_s = median_seconds(lifecycle, args.runs)
-        print(f"lifecycle  raw bwrap true: {raw_s * 1000:8.2f} ms   create+true+destroy: {ours_s * 1000:8.2f} ms"
-              f"   ratio {ours_s / raw_s:.2f}x (goal <= 2x)")
+        print(
+            f"lifecycle  raw bwrap true: {raw_s * 1000:8.2f} ms   create+true+destroy: {ours_s * 1000:8.2f} ms"
+            f"   ratio {ours_s / raw_s:.2f}x (goal <= 2x)"
+        )
 
         size = args.export_mib * 1024 * 1024
         handle = hook.create()
@@ -97,10 +99,14 @@ def main() -> None:
             rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             assert records[0].size_bytes == size == os.path.getsize(dest)
             mib = size / 1024 / 1024
-            print(f"export     cp: {mib / cp_s:8.1f} MiB/s   export: {mib / ours:8.1f} MiB/s"
-                  f"   ratio {cp_s / ours:.2f}x of cp (goal >= 0.5x)")
-            print(f"memory     worker peak RSS grew {(rss_after - rss_before) / 1024:.1f} MiB during a {mib:.0f} MiB"
-                  " export (goal <= 64 MiB)")
+            print(
+                f"export     cp: {mib / cp_s:8.1f} MiB/s   export: {mib / ours:8.1f} MiB/s"
+                f"   ratio {cp_s / ours:.2f}x of cp (goal >= 0.5x)"
+            )
+            print(
+                f"memory     worker peak RSS grew {(rss_after - rss_before) / 1024:.1f} MiB during a {mib:.0f} MiB"
+                " export (goal <= 64 MiB)"
+            )
         finally:
             hook.destroy(handle)
     finally:

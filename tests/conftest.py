@@ -12,7 +12,9 @@ os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
 os.environ["AIRFLOW__DATABASE__LOAD_DEFAULT_CONNECTIONS"] = "False"
 os.environ.setdefault(
     "AIRFLOW__CORE__DAGS_FOLDER",
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "sandbox_provider", "example_dags"),
+    os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src", "sandbox_provider", "example_dags"
+    ),
 )
 
 import json  # noqa: E402

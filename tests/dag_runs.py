@@ -30,9 +30,7 @@ def run_example(dag_id: str, **run_conf):
     def xcom(task_id: str):
         with create_session() as session:
             rows = session.scalars(
-                XComModel.get_many(
-                    run_id=dag_run.run_id, dag_ids=dag_id, task_ids=task_id, key="return_value"
-                )
+                XComModel.get_many(run_id=dag_run.run_id, dag_ids=dag_id, task_ids=task_id, key="return_value")
             ).all()
             return XComModel.deserialize_value(rows[0]) if rows else None
 

@@ -74,13 +74,20 @@ def get_provider_info() -> dict[str, Any]:
                     "pids_limit": {"label": "Process limit", "schema": {"type": ["integer", "null"]}},
                     "sandbox_timeout": _LIFETIME,
                     "tls_ca_cert": {"label": "TLS CA certificate (path)", "schema": {"type": ["string", "null"]}},
-                    "tls_client_cert": {"label": "TLS client certificate (path)", "schema": {"type": ["string", "null"]}},
+                    "tls_client_cert": {
+                        "label": "TLS client certificate (path)",
+                        "schema": {"type": ["string", "null"]},
+                    },
                     "tls_client_key": {"label": "TLS client key (path)", "schema": {"type": ["string", "null"]}},
                     "tls_verify": {"label": "Verify TLS", "schema": {"type": ["boolean", "null"]}},
                 },
                 "ui-field-behaviour": {
                     "hidden-fields": ["port", "schema"],
-                    "relabeling": {"host": "Docker daemon address", "login": "Registry user", "password": "Registry password"},
+                    "relabeling": {
+                        "host": "Docker daemon address",
+                        "login": "Registry user",
+                        "password": "Registry password",
+                    },
                     "placeholders": {"host": "unix:///var/run/docker.sock"},
                 },
             },

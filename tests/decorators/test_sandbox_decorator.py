@@ -231,8 +231,7 @@ def test_context_strings_are_passed_to_parameters_named_after_them(hook):
 def test_spec_and_exports_apply(hook, tmp_path):
     target = tmp_path / "report.txt"
     assert (
-        run(writes_report, hook, exports={"report.txt": target.as_uri()}, spec=SandboxSpec(env={"A": "b"}))
-        == "written"
+        run(writes_report, hook, exports={"report.txt": target.as_uri()}, spec=SandboxSpec(env={"A": "b"})) == "written"
     )
     assert target.read_text() == "all good\n"
 
@@ -296,9 +295,7 @@ def test_a_dag_file_named_like_the_runner(hook, tmp_path):
     import importlib.util
 
     module_path = tmp_path / "runner.py"
-    module_path.write_text(
-        "from airflow.sdk import task\n\n\n@task.sandbox\ndef add(a, b):\n    return a + b\n"
-    )
+    module_path.write_text("from airflow.sdk import task\n\n\n@task.sandbox\ndef add(a, b):\n    return a + b\n")
     spec = importlib.util.spec_from_file_location("runner_dag_module", module_path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -341,9 +338,7 @@ def test_non_json_value_from_xcom_fails_before_provisioning(hook, monkeypatch):
     monkeypatch.setattr(LocalSandboxHook, "create", mock.Mock(side_effect=AssertionError("provisioned")))
     op = build(takes_any, "placeholder", backend=hook)
     op.op_args = [object()]  # what a rendered XComArg could hold
-    with pytest.raises(
-        ValueError, match="positional argument 0 cannot be sent: a object is not a JSON value"
-    ):
+    with pytest.raises(ValueError, match="positional argument 0 cannot be sent: a object is not a JSON value"):
         op.execute(context())
 
 

@@ -78,9 +78,7 @@ def test_attach_example_shares_one_sandbox_then_removes_it(migrated_airflow_db, 
     collected = xcom("collect")
     assert collected["stdout"] == '{"count": 1000, "even": 500, "squares": 31, "total": 500500}'
     exported = tmp_path / dag_run.run_id / "findings.json"
-    assert collected["exports"] == {
-        "data/findings.json": f"{tmp_path.as_uri()}/{dag_run.run_id}/findings.json"
-    }
+    assert collected["exports"] == {"data/findings.json": f"{tmp_path.as_uri()}/{dag_run.run_id}/findings.json"}
     assert exported.read_text() == collected["stdout"]
     handle = xcom("provision")
     with pytest.raises(SandboxTerminalError, match="does not exist"):

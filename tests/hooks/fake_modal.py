@@ -188,9 +188,7 @@ class FakeSandbox:
         with open(remote_path, "wb") as handle:
             handle.write(data)
 
-    def exec(
-        self, *args: str, timeout: int | None = None, workdir: str | None = None, text: bool = True, **kw
-    ):
+    def exec(self, *args: str, timeout: int | None = None, workdir: str | None = None, text: bool = True, **kw):
         self.calls.append(("exec", args, {"timeout": timeout, "workdir": workdir, "text": text, **kw}))
         if self.exec_errors:
             raise self.exec_errors.popleft()

@@ -173,9 +173,7 @@ def test_connection_test_reports_the_engine_version(docker_hook):
 
 
 def test_container_is_hardened_labelled_and_limited(docker_hook, docker_sandbox, docker_client):
-    assert (
-        docker_sandbox.startswith("airflow-sandbox-") and len(docker_sandbox) == len("airflow-sandbox-") + 12
-    )
+    assert docker_sandbox.startswith("airflow-sandbox-") and len(docker_sandbox) == len("airflow-sandbox-") + 12
     info = docker_client.api.inspect_container(docker_sandbox)
     host = info["HostConfig"]
     assert info["Config"]["Labels"][SANDBOX_LABEL] == docker_sandbox
@@ -286,9 +284,7 @@ def test_timeout_kills_the_tree_and_keeps_the_sandbox(docker_hook, docker_sandbo
     assert result.timed_out, result
     assert time.monotonic() - began < 15
     assert result.stdout == "started\n"
-    after = sh(
-        docker_hook, docker_sandbox, "kill -0 $(cat /tmp/child.pid) 2>/dev/null && echo alive; ps -eo comm="
-    )
+    after = sh(docker_hook, docker_sandbox, "kill -0 $(cat /tmp/child.pid) 2>/dev/null && echo alive; ps -eo comm=")
     assert after.ok and "alive" not in after.stdout, after
     assert after.stdout.split().count("sleep") == 1, after.stdout  # only the sandbox's own idle process
     assert sh(docker_hook, docker_sandbox, "echo still here").stdout == "still here\n"
@@ -315,9 +311,7 @@ def test_nothing_a_command_started_outlives_it(docker_hook, docker_sandbox, esca
 
 
 def test_output_flood_stays_bounded(docker_hook, docker_sandbox):
-    command = (
-        "head -c 30000000 /dev/zero | tr '\\0' a; echo; echo END; head -c 5000000 /dev/zero | tr '\\0' e >&2"
-    )
+    command = "head -c 30000000 /dev/zero | tr '\\0' a; echo; echo END; head -c 5000000 /dev/zero | tr '\\0' e >&2"
     result = sh(docker_hook, docker_sandbox, command, timeout=60, cap=1000)
     assert result.ok, result.stderr[-200:]
     assert len(result.stdout) == 1000 and result.stdout.endswith("\nEND\n") and result.stdout_truncated
@@ -544,8 +538,17 @@ def test_stamps_attach_and_release(docker_conn):
         "head -c 100000 /dev/zero | tr '\\0' ' ' > /.airflow-sandbox/tags.json",
     ],
     ids=[
-        "dir-is-file", "symlink", "symlink-loop", "directory", "fifo", "garbage", "not-utf8", "empty", "list",
-        "non-string", "huge",
+        "dir-is-file",
+        "symlink",
+        "symlink-loop",
+        "directory",
+        "fifo",
+        "garbage",
+        "not-utf8",
+        "empty",
+        "list",
+        "non-string",
+        "huge",
     ],
 )
 def test_a_tampered_holder_stamp_is_reported_legibly(docker_conn, tamper):
@@ -693,9 +696,7 @@ def test_lifetime_removes_the_sandbox_of_a_killed_creator(docker_conn, docker_cl
     finally:
         if creator.poll() is None:
             creator.kill()
-        for container in docker_client.containers.list(
-            all=True, filters={"label": f"{OWNER_TAG}=dag_killed/run_1"}
-        ):
+        for container in docker_client.containers.list(all=True, filters={"label": f"{OWNER_TAG}=dag_killed/run_1"}):
             container.remove(force=True)
 
 

@@ -59,7 +59,7 @@ def tcp_server():
 
 
 PY_CONNECT = (
-    "python3 -c \"import socket,sys; s=socket.socket(); s.settimeout(3); "
+    'python3 -c "import socket,sys; s=socket.socket(); s.settimeout(3); '
     "print('rc', s.connect_ex(('127.0.0.1', {port})))\""
 )
 
@@ -73,7 +73,9 @@ class TestNetwork:
         assert hits == []
 
     def test_dns_fails_when_blocked(self, hook, sandbox):
-        result = run(hook, sandbox, "python3 -c \"import socket; socket.getaddrinfo('localhost-does-not-matter.example', 80)\"")
+        result = run(
+            hook, sandbox, "python3 -c \"import socket; socket.getaddrinfo('localhost-does-not-matter.example', 80)\""
+        )
         assert result.exit_code != 0
         assert "gaierror" in result.stderr
 
@@ -312,7 +314,11 @@ class TestFiles:
         secret_dir.mkdir()
         secret = secret_dir / "secret.txt"
         secret.write_text("host secret")
-        run(hook, sandbox, f"ln -s {secret} link-file; ln -s {secret_dir} link-dir; ln -s /proc/1/root/{secret} proc-link")
+        run(
+            hook,
+            sandbox,
+            f"ln -s {secret} link-file; ln -s {secret_dir} link-dir; ln -s /proc/1/root/{secret} proc-link",
+        )
         for link in ("link-file", "link-dir/secret.txt", "proc-link"):
             with pytest.raises(SandboxError):
                 hook.read_file(sandbox, link, max_bytes=1000)
@@ -398,7 +404,7 @@ class TestLifetimeAndAttach:
             handle = hook.create(spec=SandboxSpec(owner="d/r"))
             barrier = threading.Barrier(4)
 
-            def claim(holder):
+            def claim(holder, barrier=barrier, handle=handle):
                 other = LocalSandboxHook(state_root=hook.state_root)
                 barrier.wait()
                 try:

@@ -123,9 +123,7 @@ class TestConstruction:
         hook = ModalSandboxHook(image="python:3.13-slim")
         from airflow.exceptions import AirflowOptionalProviderFeatureException
 
-        with pytest.raises(
-            AirflowOptionalProviderFeatureException, match=r"airflow-provider-sandbox\[modal\]"
-        ):
+        with pytest.raises(AirflowOptionalProviderFeatureException, match=r"airflow-provider-sandbox\[modal\]"):
             hook.create(spec=SandboxSpec())
 
     def test_accepts_a_modal_image(self, fake):
@@ -188,10 +186,7 @@ class TestCreate:
         sandbox = fake.Sandbox.by_id[handle]
         kwargs = sandbox.create_kwargs
         assert handle.startswith("sb-")
-        assert (
-            kwargs["name"].startswith("airflow-sandbox-")
-            and len(kwargs["name"]) == len("airflow-sandbox-") + 12
-        )
+        assert kwargs["name"].startswith("airflow-sandbox-") and len(kwargs["name"]) == len("airflow-sandbox-") + 12
         assert kwargs["timeout"] == 1800
         assert kwargs["workdir"] == str(tmp_path / "workspace")
         assert kwargs["env"] == {"MODE": "test"}
@@ -344,9 +339,7 @@ class TestCredentials:
     def test_rejected_credentials_name_the_connection(self, make_hook, fake, add_connection):
         add_connection("team_modal", "modal", login="ak-abc", password="as-wrong")
         fake.Sandbox.create_errors.append(fake.exception.AuthError("token rejected"))
-        with pytest.raises(
-            SandboxTerminalError, match="rejected the credentials from Airflow connection 'team_modal'"
-        ):
+        with pytest.raises(SandboxTerminalError, match="rejected the credentials from Airflow connection 'team_modal'"):
             make_hook(modal_conn_id="team_modal").create(spec=SandboxSpec())
 
     def test_rejected_worker_credentials(self, make_hook, fake):
@@ -366,9 +359,7 @@ class TestCredentials:
 
 class TestRetries:
     def test_transient_create_error_is_retried(self, make_hook, fake, clock):
-        fake.Sandbox.create_errors.extend(
-            [fake.exception.ConnectionError("reset"), fake.exception.InternalError("x")]
-        )
+        fake.Sandbox.create_errors.extend([fake.exception.ConnectionError("reset"), fake.exception.InternalError("x")])
         handle = make_hook().create(spec=SandboxSpec())
         assert len(fake.Sandbox.create_calls) == 3
         assert handle in fake.Sandbox.by_id
@@ -503,9 +494,7 @@ class TestRunCommand:
         handle = hook.create(spec=SandboxSpec())
         sandbox = fake.Sandbox.by_id[handle]
         sandbox.processes.append(
-            fake_modal.FakeProcess(
-                0, [b"started\n"], wait_error=fake.exception.SandboxTerminatedError("gone")
-            )
+            fake_modal.FakeProcess(0, [b"started\n"], wait_error=fake.exception.SandboxTerminatedError("gone"))
         )
         result = hook.run_command(handle, "work", timeout=10, max_output_bytes=100)
         assert result.sandbox_terminated and result.stdout == "started\n" and not result.ok
@@ -551,9 +540,7 @@ class TestRunCommand:
         with pytest.raises(SandboxTerminalError, match="'sb-missing' is gone"):
             make_hook().run_command("sb-missing", "true", timeout=1, max_output_bytes=1)
 
-    @pytest.mark.parametrize(
-        "kwargs", [{"timeout": 0, "max_output_bytes": 1}, {"timeout": 1, "max_output_bytes": 0}]
-    )
+    @pytest.mark.parametrize("kwargs", [{"timeout": 0, "max_output_bytes": 1}, {"timeout": 1, "max_output_bytes": 0}])
     def test_bad_limits(self, make_hook, kwargs):
         with pytest.raises(ValueError):
             make_hook().run_command("sb-x", "true", **kwargs)
@@ -680,9 +667,7 @@ class TestFiles:
     def test_filesystem_errors_are_recoverable(self, make_hook, fake):
         hook = make_hook()
         handle = hook.create(spec=SandboxSpec())
-        fake.Sandbox.by_id[handle].fs_errors["write_bytes"] = fake.exception.SandboxFilesystemPermissionError(
-            "ro"
-        )
+        fake.Sandbox.by_id[handle].fs_errors["write_bytes"] = fake.exception.SandboxFilesystemPermissionError("ro")
         with pytest.raises(SandboxError, match="ro") as info:
             hook.write_file(handle, "/etc/x", b"1")
         assert not isinstance(info.value, SandboxTerminalError)
@@ -811,9 +796,7 @@ def test_example_dags_parse_without_modal_or_a_connection(monkeypatch):
     monkeypatch.setitem(sys.modules, "modal", None)  # "import modal" would fail
     monkeypatch.setattr(BaseHook, "get_connection", classmethod(no_lookup))
     monkeypatch.setattr(ModalSandboxHook, "get_conn", no_modal)
-    path = os.path.join(
-        os.path.dirname(modal_module.__file__), "..", "example_dags", "example_sandbox_modal.py"
-    )
+    path = os.path.join(os.path.dirname(modal_module.__file__), "..", "example_dags", "example_sandbox_modal.py")
     found = runpy.run_path(path, run_name="example_sandbox_modal")
     artifact, attach = found["artifact_dag"], found["attach_dag"]
     assert artifact.dag_id == "example_sandbox_modal_artifact"

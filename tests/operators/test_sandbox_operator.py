@@ -98,7 +98,9 @@ def test_secrets_never_reach_the_xcom_or_the_failure_message(hook):
     assert secret not in repr(ok.execute(make_context()))
     # The backend keeps the last 40 bytes, cutting the secret in the middle: no piece of it is shown.
     cut = SandboxOperator(
-        task_id="t", backend=hook, command="echo Sup3r''SecretValue42 and then a rather longer tail here",
+        task_id="t",
+        backend=hook,
+        command="echo Sup3r''SecretValue42 and then a rather longer tail here",
         max_output_bytes=40,
     )
     shown = cut.execute(make_context())["stdout"]
@@ -187,9 +189,7 @@ def test_spec_env_reaches_the_sandbox_and_nothing_else(hook, monkeypatch):
 
 
 def test_construction_touches_no_connection():
-    with mock.patch.object(
-        BaseHook, "get_connection", side_effect=AssertionError("parse-time lookup")
-    ) as get:
+    with mock.patch.object(BaseHook, "get_connection", side_effect=AssertionError("parse-time lookup")) as get:
         SandboxOperator(task_id="t", backend="my_sandbox", command="true", exports={"a": "file:///tmp/a"})
     assert get.call_count == 0
 
@@ -261,9 +261,7 @@ def test_attach_to_on_a_backend_that_cannot_attach_fails_at_construction(hook):
         attachable = False
 
     with pytest.raises(ValueError, match="attach_to needs a backend that can find a sandbox"):
-        SandboxOperator(
-            task_id="t", backend=Unattachable(), command="true", attach_to="airflow-sandbox-0123456789ab"
-        )
+        SandboxOperator(task_id="t", backend=Unattachable(), command="true", attach_to="airflow-sandbox-0123456789ab")
 
 
 def test_rendered_bad_export_url_fails_before_provisioning(hook):
@@ -285,9 +283,7 @@ def test_rendered_empty_handle_fails_before_anything_runs(hook):
 
 
 def test_bad_input_url_fails_staging_and_removes_the_sandbox(hook, tmp_path):
-    op = SandboxOperator(
-        task_id="t", backend=hook, command="true", inputs={"x": (tmp_path / "missing").as_uri()}
-    )
+    op = SandboxOperator(task_id="t", backend=hook, command="true", inputs={"x": (tmp_path / "missing").as_uri()})
     with pytest.raises(SandboxTerminalError, match="Could not stage input"):
         op.execute(make_context())
     assert sandboxes(hook) == []
@@ -298,9 +294,9 @@ def test_bad_input_url_fails_staging_and_removes_the_sandbox(hook, tmp_path):
 
 def test_keep_attach_collect(hook, tmp_path):
     context = make_context(task_id="provision")
-    handle = SandboxOperator(
-        task_id="provision", backend=hook, keep_sandbox=True, command="echo 21 > n.txt"
-    ).execute(context)
+    handle = SandboxOperator(task_id="provision", backend=hook, keep_sandbox=True, command="echo 21 > n.txt").execute(
+        context
+    )
     assert sandboxes(hook) == [handle]
     assert hook.read_tags(handle)[OWNER_TAG] == dag_run_owner(context)  # stamped from the context
 
@@ -339,14 +335,14 @@ def test_keep_sandbox_without_command_provisions_and_stages(hook, tmp_path):
 
 
 def test_keep_sandbox_owner_argument_is_stamped(hook):
-    handle = SandboxOperator(
-        task_id="p", backend=hook, command=None, keep_sandbox=True, owner="team-a"
-    ).execute(make_context())
+    handle = SandboxOperator(task_id="p", backend=hook, command=None, keep_sandbox=True, owner="team-a").execute(
+        make_context()
+    )
     try:
         assert hook.read_tags(handle)[OWNER_TAG] == "team-a"
-        result = SandboxOperator(
-            task_id="u", backend=hook, attach_to=handle, owner="team-a", command="true"
-        ).execute(make_context(run_id="another-run"))
+        result = SandboxOperator(task_id="u", backend=hook, attach_to=handle, owner="team-a", command="true").execute(
+            make_context(run_id="another-run")
+        )
         assert result["exit_code"] == 0
     finally:
         hook.destroy(handle)
@@ -360,9 +356,7 @@ def test_failed_provisioning_task_leaves_nothing_behind(hook):
 
 
 def test_attach_from_another_dag_run_is_refused(hook):
-    handle = SandboxOperator(task_id="p", backend=hook, command=None, keep_sandbox=True).execute(
-        make_context()
-    )
+    handle = SandboxOperator(task_id="p", backend=hook, command=None, keep_sandbox=True).execute(make_context())
     try:
         op = SandboxOperator(task_id="u", backend=hook, attach_to=handle, command="true")
         with pytest.raises(SandboxTerminalError, match="not owned by 'd/run-2'"):
@@ -404,9 +398,7 @@ def test_on_kill_before_execute_is_harmless():
 
 
 def test_collect_destroys_even_when_its_command_fails(hook, tmp_path):
-    handle = SandboxOperator(task_id="p", backend=hook, command=None, keep_sandbox=True).execute(
-        make_context()
-    )
+    handle = SandboxOperator(task_id="p", backend=hook, command=None, keep_sandbox=True).execute(make_context())
     target = tmp_path / "report.txt"
     collect = SandboxOperator(
         task_id="collect",

@@ -45,9 +45,7 @@ def test_failing_second_export_changes_nothing(hook, tmp_path):
     first = tmp_path / "first.txt"
     first.write_text("earlier run")
     second = tmp_path / "second.txt"
-    session = SandboxSession(
-        hook, exports={"a.txt": f"file://{first}", "missing.txt": f"file://{second}"}
-    )
+    session = SandboxSession(hook, exports={"a.txt": f"file://{first}", "missing.txt": f"file://{second}"})
     with pytest.raises(SandboxTerminalError, match="Could not export 'missing.txt'.*does not exist"):
         with session:
             session.run("echo new > a.txt", timeout=30, max_output_bytes=100)
@@ -59,7 +57,11 @@ def test_failing_second_export_changes_nothing(hook, tmp_path):
 
 @pytest.mark.parametrize(
     ("setup", "message"),
-    [("mkdir out", "is a directory"), ("ln -s /dev/zero out", "not a regular file"), ("head -c 2000 /dev/zero > out", "limit")],
+    [
+        ("mkdir out", "is a directory"),
+        ("ln -s /dev/zero out", "not a regular file"),
+        ("head -c 2000 /dev/zero > out", "limit"),
+    ],
 )
 def test_bad_export_sources_name_the_file(hook, tmp_path, setup, message):
     with pytest.raises(SandboxTerminalError, match=f"'out'.*{message}"):
@@ -118,7 +120,12 @@ def test_keep_then_attach_then_collect(hook, tmp_path):
     with pytest.raises(SandboxTerminalError, match="not owned by 'd/other'"):
         SandboxSession(hook, attach_to=handle, owner="d/other", holder="d/other/x").open()
     with SandboxSession(
-        hook, attach_to=handle, owner="d/r", holder="d/r/collect", keep=False, exports={"out.txt": f"file://{tmp_path}/o"}
+        hook,
+        attach_to=handle,
+        owner="d/r",
+        holder="d/r/collect",
+        keep=False,
+        exports={"out.txt": f"file://{tmp_path}/o"},
     ):
         pass
     assert (tmp_path / "o").read_text() == "42"
@@ -209,7 +216,9 @@ def test_listing_too_large_is_an_error_not_a_silent_cut(hook, monkeypatch):
 
     handle = hook.create()
     try:
-        hook.run_command(handle, "mkdir d; cd d; for i in $(seq 300); do : > file-$i; done", timeout=30, max_output_bytes=100)
+        hook.run_command(
+            handle, "mkdir d; cd d; for i in $(seq 300); do : > file-$i; done", timeout=30, max_output_bytes=100
+        )
         assert len(hook.list_directory(handle, "d")) == 300
         monkeypatch.setattr(hook_module, "LIST_OUTPUT_BYTES", 1000)
         with pytest.raises(SandboxError, match="more entries than one listing returns"):

@@ -264,11 +264,7 @@ def test_mistakes_come_back_as_retries(local):
         "ok",
     )
     agent_with(script, toolset).run_sync("go")
-    retries = [
-        p
-        for p in script.results
-        if getattr(p, "outcome", None) == "retried" or isinstance(p, RetryPromptPart)
-    ]
+    retries = [p for p in script.results if getattr(p, "outcome", None) == "retried" or isinstance(p, RetryPromptPart)]
     messages = [str(p.content) for p in retries]
     assert len(retries) == 6, script.texts()
     assert "'missing.txt' does not exist" in messages[0]
@@ -319,9 +315,7 @@ def test_terminal_errors_fail_the_run(state_root):
 
 def test_spec_reaches_the_backend_and_the_description(local, state_root):
     toolset = SandboxToolset(local, spec=SandboxSpec(env={"GREETING": "hello there"}))
-    script = Script(
-        [("run_command", {"command": 'echo "$GREETING"; getent hosts example.com || echo no-dns'})], "ok"
-    )
+    script = Script([("run_command", {"command": 'echo "$GREETING"; getent hosts example.com || echo no-dns'})], "ok")
     agent_with(script, toolset).run_sync("go")
     assert script.texts()[0].startswith("[stdout]\nhello there\nno-dns")
     description = script.descriptions["run_command"]
@@ -352,8 +346,7 @@ def test_a_sandbox_that_ended_is_announced_and_replaced(state_root):
     agent_with(script, toolset).run_sync("go")
     texts = script.texts()
     assert (
-        texts[1]
-        == "[stderr]\nKilled\n[exit code: 137] [the sandbox was replaced: files from earlier calls are gone]"
+        texts[1] == "[stderr]\nKilled\n[exit code: 137] [the sandbox was replaced: files from earlier calls are gone]"
     )
     assert "No such file" in texts[2]
     assert len(handles[0]) == len(handles[1]) == 1 and handles[0] != handles[1]
@@ -365,9 +358,7 @@ def test_an_attached_sandbox_that_ended_fails_the_task(state_root):
     handle = provision(hook, "o")
     toolset = SandboxToolset(hook, attach_to=handle, owner="o")
     script = Script([("run_command", {"command": "crash"})], "never")
-    with pytest.raises(
-        SandboxTerminalError, match=f"attached to, '{handle}', stopped while running a command"
-    ):
+    with pytest.raises(SandboxTerminalError, match=f"attached to, '{handle}', stopped while running a command"):
         agent_with(script, toolset).run_sync("go")
     assert standing(state_root) == []
 
@@ -388,11 +379,7 @@ def test_two_prefixed_toolsets_get_separate_sandboxes(local, state_root):
     )
     agent_with(script, py, sh).run_sync("go")
     assert sorted(script.tool_names) == sorted(
-        [
-            f"{p}_{t}"
-            for p in ("py", "sh")
-            for t in ("run_command", "read_file", "write_file", "list_directory")
-        ]
+        [f"{p}_{t}" for p in ("py", "sh") for t in ("run_command", "read_file", "write_file", "list_directory")]
     )
     texts = script.texts()
     assert texts[2] == "python box"
@@ -478,9 +465,7 @@ def test_secret_split_by_the_backends_own_cut_is_dropped(local, secret):
     agent_with(script, toolset).run_sync("go")
     (text,) = script.texts()
     assert_no_secret([text], secret)
-    assert (
-        text.startswith("[stdout]\n[... the sandbox dropped the start of this output") or "not shown" in text
-    )
+    assert text.startswith("[stdout]\n[... the sandbox dropped the start of this output") or "not shown" in text
     assert text.rstrip().endswith("***")
 
 
@@ -829,8 +814,7 @@ def test_example_agent_dag_runs_offline(migrated_airflow_db, scripted_llm, tmp_p
             [("run_command", {"command": "python3 normalize.py"})],
             [("write_file", {"path": "normalize.py", "content": NORMALIZE_FIXED})],
             [("run_command", {"command": "python3 normalize.py && cat staging.csv"})],
-            "OrderNo->order_id, Customer->customer_name, Date->ordered_at, Amount->amount, "
-            "Country->country_code",
+            "OrderNo->order_id, Customer->customer_name, Date->ordered_at, Amount->amount, Country->country_code",
         )
     )
     dag_run = agent_dag.test(run_conf={"output_base": tmp_path.as_uri()})

@@ -162,14 +162,10 @@ def shipped_source(fn: Callable) -> tuple[str, str, int]:
     try:
         tree = ast.parse(text)
     except SyntaxError as err:
-        raise ValueError(
-            f"Could not parse the source of {fn.__name__}() to ship it into the sandbox: {err}"
-        ) from err
+        raise ValueError(f"Could not parse the source of {fn.__name__}() to ship it into the sandbox: {err}") from err
     node = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
     if node is None:
-        raise ValueError(
-            f"Could not find the def of {fn.__name__}() in its source to ship it into the sandbox."
-        )
+        raise ValueError(f"Could not find the def of {fn.__name__}() in its source to ship it into the sandbox.")
     foreign = [d for d in node.decorator_list if _is_foreign_decorator(d, fn)]
     if foreign:
         names = ", ".join("@" + ast.unparse(d) for d in foreign)
@@ -264,17 +260,9 @@ class _SandboxDecoratedOperator(DecoratedOperator, SandboxOperator):
                 "Provision with SandboxOperator(keep_sandbox=True) and pass its handle here as attach_to."
             )
         if not isinstance(python, str) or not python.strip():
-            raise ValueError(
-                f"python must name the interpreter inside the sandbox, e.g. 'python3'; got {python!r}."
-            )
-        if (
-            isinstance(max_result_bytes, bool)
-            or not isinstance(max_result_bytes, int)
-            or max_result_bytes <= 0
-        ):
-            raise ValueError(
-                f"max_result_bytes must be a positive number of bytes, got {max_result_bytes!r}."
-            )
+            raise ValueError(f"python must name the interpreter inside the sandbox, e.g. 'python3'; got {python!r}.")
+        if isinstance(max_result_bytes, bool) or not isinstance(max_result_bytes, int) or max_result_bytes <= 0:
+            raise ValueError(f"max_result_bytes must be a positive number of bytes, got {max_result_bytes!r}.")
         shipped_source(python_callable)  # a function whose source cannot be shipped fails at parse time
         super().__init__(python_callable=python_callable, command="(built from the function)", **kwargs)
         _check_arguments(self.op_args, self.op_kwargs, allow_references=True)
@@ -362,9 +350,7 @@ class _SandboxDecoratedOperator(DecoratedOperator, SandboxOperator):
         try:
             session.run(f"rm -rf -- {shlex.quote(self._call_dir or '')}", timeout=60, max_output_bytes=4096)
         except Exception:
-            self.log.warning(
-                "Could not remove %s from sandbox %s", self._call_dir, session.handle, exc_info=True
-            )
+            self.log.warning("Could not remove %s from sandbox %s", self._call_dir, session.handle, exc_info=True)
 
     def _xcom(self, session: SandboxSession, result: SandboxExecResult | None, collected: Any) -> Any:
         return collected

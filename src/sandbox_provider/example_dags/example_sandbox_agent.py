@@ -40,15 +40,12 @@ A-1003;Initech Ltd;31.01.2024;12.000,00;GB
 """
 
 
-
 DAG_ARGS = {
     "schedule": None,
     "start_date": datetime(2024, 1, 1, tzinfo=UTC),
     "catchup": False,
     "tags": ["example", "sandbox", "agent"],
-    "params": {
-        "output_base": Param(output_base(), type="string", description="Storage URL for the results.")
-    },
+    "params": {"output_base": Param(output_base(), type="string", description="Storage URL for the results.")},
     "doc_md": __doc__,
 }
 
@@ -93,9 +90,7 @@ with DAG(dag_id="example_sandbox_agent_attach", **DAG_ARGS) as attach_dag:
         task_id="provision",
         # Stamped with this Dag run as owner; the handle is the XCom the agent attaches by.
         keep_sandbox=True,
-        command=(
-            "mkdir -p data && printf 'region,amount\\nnorth,120\\nsouth,80\\nnorth,30\\n' > data/sales.csv"
-        ),
+        command=("mkdir -p data && printf 'region,amount\\nnorth,120\\nsouth,80\\nnorth,30\\n' > data/sales.csv"),
     )
 
     analyse = AgentOperator(

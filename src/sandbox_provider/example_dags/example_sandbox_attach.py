@@ -28,7 +28,6 @@ from sandbox_provider.operators.sandbox import SandboxOperator
 HANDLE = "{{ ti.xcom_pull(task_ids='provision') }}"
 
 
-
 with DAG(
     dag_id="example_sandbox_attach",
     schedule=None,

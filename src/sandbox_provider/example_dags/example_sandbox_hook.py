@@ -45,9 +45,7 @@ with DAG(
                 max_output_bytes=64 * 1024,
             )
             if not result.ok:
-                raise RuntimeError(
-                    f"The count failed with status {result.exit_code}: {result.stderr.strip()}"
-                )
+                raise RuntimeError(f"The count failed with status {result.exit_code}: {result.stderr.strip()}")
             words = int(hook.read_file(handle, "words.txt", max_bytes=64))
             lines = int(hook.read_file(handle, "lines.txt", max_bytes=64))
         finally:

@@ -67,7 +67,6 @@ print(f"summarised {sum(by_country.values()):.2f} USD over {len(by_country)} cou
 """
 
 
-
 PARAMS = {"output_base": Param(output_base(), type="string", description="Storage URL for the outputs.")}
 
 

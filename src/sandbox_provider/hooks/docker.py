@@ -60,8 +60,8 @@ from sandbox_provider.sandbox.spec import (
     WORKDIR_TAG,
     SandboxExecResult,
     SandboxSpec,
-    check_handle,
     check_byte_count,
+    check_handle,
     check_positive,
     encode_network_policy,
     is_named_sandbox,
@@ -552,9 +552,7 @@ class DockerSandboxHook(SandboxHook):
 
     # -- commands --------------------------------------------------------------------------------------
 
-    def run_command(
-        self, handle: str, command: str, *, timeout: float, max_output_bytes: int
-    ) -> SandboxExecResult:
+    def run_command(self, handle: str, command: str, *, timeout: float, max_output_bytes: int) -> SandboxExecResult:
         """
         Run ``command`` with ``sh -c`` in the sandbox's working directory.
 
@@ -625,9 +623,7 @@ class DockerSandboxHook(SandboxHook):
         reader.join(budget + KILL_AFTER + WAIT_GRACE)
         abandoned = reader.is_alive()
         if abandoned:
-            log.warning(
-                "Command in sandbox %s outlived its deadline; no longer waiting for its output", handle
-            )
+            log.warning("Command in sandbox %s outlived its deadline; no longer waiting for its output", handle)
             try:
                 stream.close()
             except Exception:  # closing a stream the Engine already ended is harmless
@@ -700,9 +696,7 @@ class DockerSandboxHook(SandboxHook):
         # The SDK has no call for the archive API's HEAD (the stat ``docker cp`` makes first), so
         # it goes through the SDK's own session, URL builder and error mapping.
         try:
-            res = api.head(
-                api._url("/containers/{0}/archive", handle), params={"path": path}, timeout=API_TIMEOUT
-            )
+            res = api.head(api._url("/containers/{0}/archive", handle), params={"path": path}, timeout=API_TIMEOUT)
             if res.status_code == 404 and "x-docker-container-path-stat" not in res.headers:
                 # A missing path and a missing container both answer 404; tell them apart.
                 if not self._is_running(handle):
@@ -913,9 +907,7 @@ class DockerSandboxHook(SandboxHook):
             if spooled is not None:
                 spooled.close()
         if sent[0] != size:
-            raise SandboxError(
-                f"The source for {path!r} ended after {sent[0]} of the {size} bytes it reported."
-            )
+            raise SandboxError(f"The source for {path!r} ended after {sent[0]} of the {size} bytes it reported.")
         return size
 
     def _mkdir(self, handle: str, directory: str, path: str) -> None:
@@ -937,9 +929,7 @@ class DockerSandboxHook(SandboxHook):
             raise self._engine_error(err, f"reading sandbox {handle!r}", handle) from err
         labels = dict(info.get("Config", {}).get("Labels") or {})
         if labels.get(SANDBOX_LABEL) != handle:
-            raise SandboxTerminalError(
-                f"Container {handle!r} was not created by this provider; it cannot be attached."
-            )
+            raise SandboxTerminalError(f"Container {handle!r} was not created by this provider; it cannot be attached.")
         state = info.get("State") or {}
         if not state.get("Running"):
             raise SandboxTerminalError(f"Sandbox {handle!r} has ended (status {state.get('Status')!r}).")
@@ -1051,9 +1041,7 @@ class DockerSandboxHook(SandboxHook):
 
     # -- finding what is left ---------------------------------------------------------------------------
 
-    def list_sandboxes(
-        self, *, owner: str | None = None, dag_id: str | None = None
-    ) -> list[DockerSandboxInfo]:
+    def list_sandboxes(self, *, owner: str | None = None, dag_id: str | None = None) -> list[DockerSandboxInfo]:
         """
         List this provider's sandbox containers on the Engine, running or not.
 
@@ -1095,9 +1083,7 @@ class DockerSandboxHook(SandboxHook):
         removed = []
         for info in self.list_sandboxes(owner=owner, dag_id=dag_id):
             if not is_named_sandbox(info.handle):
-                log.warning(
-                    "Skipping container %r: its %s label is not a usable handle", info.handle, SANDBOX_LABEL
-                )
+                log.warning("Skipping container %r: its %s label is not a usable handle", info.handle, SANDBOX_LABEL)
                 continue
             if info.expired(now) or info.status in ("exited", "dead"):
                 self.destroy(info.handle)

@@ -39,9 +39,9 @@ import errno
 import fcntl
 import io
 import json
-import selectors
 import logging
 import os
+import selectors
 import shlex
 import shutil
 import signal
@@ -64,8 +64,8 @@ from sandbox_provider.sandbox.spec import (
     WORKDIR_TAG,
     SandboxExecResult,
     SandboxSpec,
-    check_handle,
     check_byte_count,
+    check_handle,
     check_path,
     check_positive,
     check_workdir,
@@ -85,7 +85,21 @@ DEFAULT_SANDBOX_UID = 65534
 #: The environment bwrap itself starts with (it is visible as /proc/1/environ in the sandbox).
 _BWRAP_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 #: Where a workspace may not be mounted: the system directories shown to the sandbox, and its own mounts.
-_RESERVED_WORKDIRS = ("/", "/tmp", "/proc", "/dev", "/sys", "/etc", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_RESERVED_WORKDIRS = (
+    "/",
+    "/tmp",
+    "/proc",
+    "/dev",
+    "/sys",
+    "/etc",
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+)
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 # /etc entries programs need to start and to find users, certificates and time zones. Nothing
 # else of /etc is shown: it can hold credentials and the worker's configuration.
@@ -293,7 +307,9 @@ class LocalSandboxHook(SandboxHook):
     def _dir(self, handle: str) -> str:
         check_handle(handle)
         if not is_named_sandbox(handle):
-            raise SandboxTerminalError(f"{handle!r} is not a local sandbox handle; handles look like airflow-sandbox-1a2b3c4d5e6f.")
+            raise SandboxTerminalError(
+                f"{handle!r} is not a local sandbox handle; handles look like airflow-sandbox-1a2b3c4d5e6f."
+            )
         path = os.path.join(self._root(), handle)
         if not os.path.isdir(os.path.join(path, "workspace")):
             raise SandboxTerminalError(
@@ -639,8 +655,12 @@ class LocalSandboxHook(SandboxHook):
         exit_code = status.get("exit-code", proc.returncode)
         if not os.path.isdir(path):
             return SandboxExecResult(
-                exit_code=-1, stdout=out.text(), stderr=err_buf.text(), timed_out=timed_out,
-                sandbox_terminated=True, applied_timeout=applied,
+                exit_code=-1,
+                stdout=out.text(),
+                stderr=err_buf.text(),
+                timed_out=timed_out,
+                sandbox_terminated=True,
+                applied_timeout=applied,
             )
         stderr = TailBuffer(max_output_bytes)
         stderr.write(err_buf.getvalue())

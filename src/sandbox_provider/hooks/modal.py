@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import IO, Any, TypeVar
 
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
-from sandbox_provider.sandbox.output import StreamDrain, TailBuffer
 from sandbox_provider.sandbox.hook import (
     FILE_OP_TIMEOUT,
     STREAM_CHUNK_BYTES,
@@ -36,6 +35,7 @@ from sandbox_provider.sandbox.hook import (
     SandboxHook,
     check_export_size,
 )
+from sandbox_provider.sandbox.output import StreamDrain, TailBuffer
 from sandbox_provider.sandbox.spec import (
     DEFAULT_WORKDIR,
     EXPIRES_AT_TAG,
@@ -45,8 +45,8 @@ from sandbox_provider.sandbox.spec import (
     AttachedSandbox,
     SandboxExecResult,
     SandboxSpec,
-    check_handle,
     check_byte_count,
+    check_handle,
     check_positive,
     check_workdir,
     encode_network_policy,
@@ -535,9 +535,7 @@ class ModalSandboxHook(SandboxHook):
         env = spec.env
         if env is not None:
             if not isinstance(env, Mapping):
-                raise SandboxTerminalError(
-                    f"SandboxSpec.env must map strings to strings, got {type(env).__name__}."
-                )
+                raise SandboxTerminalError(f"SandboxSpec.env must map strings to strings, got {type(env).__name__}.")
             bad = sorted(str(k) for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str))
             if bad:
                 raise SandboxTerminalError(
@@ -682,9 +680,7 @@ class ModalSandboxHook(SandboxHook):
         app = self._call(f"looking up app {self.app_name!r}", lambda: hook.lookup_app(self.app_name))
         return self._call(
             "listing sandboxes",
-            lambda: [
-                sb.object_id for sb in modal.Sandbox.list(app_id=app.app_id, tags=wanted, client=client)
-            ],
+            lambda: [sb.object_id for sb in modal.Sandbox.list(app_id=app.app_id, tags=wanted, client=client)],
         )
 
     # -- commands --------------------------------------------------------------------------------------
@@ -708,16 +704,12 @@ class ModalSandboxHook(SandboxHook):
     def _exec(self, tracked: _Tracked, handle: str, script: str, seconds: int, action: str) -> Any:
         return self._call(
             action,
-            lambda: tracked.sandbox.exec(
-                "sh", "-c", script, timeout=seconds, workdir=tracked.workdir, text=False
-            ),
+            lambda: tracked.sandbox.exec("sh", "-c", script, timeout=seconds, workdir=tracked.workdir, text=False),
             handle=handle,
             retry=False,  # a retried exec could run the command twice
         )
 
-    def run_command(
-        self, handle: str, command: str, *, timeout: float, max_output_bytes: int
-    ) -> SandboxExecResult:
+    def run_command(self, handle: str, command: str, *, timeout: float, max_output_bytes: int) -> SandboxExecResult:
         """
         Run ``command`` with ``sh -c`` in the sandbox's workdir.
 
@@ -791,9 +783,7 @@ class ModalSandboxHook(SandboxHook):
             raise SandboxError(f"{path!r} is not a path.")
         return posixpath.normpath(posixpath.join(tracked.workdir, path))
 
-    def _stream_file(
-        self, handle: str, path: str, sink: IO[bytes], *, max_bytes: int, verb: str
-    ) -> tuple[int, int]:
+    def _stream_file(self, handle: str, path: str, sink: IO[bytes], *, max_bytes: int, verb: str) -> tuple[int, int]:
         """
         Copy the regular file at ``path`` into ``sink`` through one command; return (size, bytes copied).
 
@@ -922,9 +912,7 @@ class ModalSandboxHook(SandboxHook):
         """
         tracked = self._lookup(handle)
         target = self._abs(tracked, path)
-        entries = self._call(
-            f"listing {path!r}", lambda: tracked.sandbox.filesystem.list_files(target), handle=handle
-        )
+        entries = self._call(f"listing {path!r}", lambda: tracked.sandbox.filesystem.list_files(target), handle=handle)
         listed = []
         for entry in entries:
             kind = getattr(entry.type, "value", entry.type)

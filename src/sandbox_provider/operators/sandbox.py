@@ -14,7 +14,13 @@ from sandbox_provider.hooks import get_sandbox_hook
 from sandbox_provider.sandbox.hook import SandboxHook
 from sandbox_provider.sandbox.output import mask_stream, tail_text
 from sandbox_provider.sandbox.session import SandboxSession
-from sandbox_provider.sandbox.spec import SandboxExecResult, SandboxSpec, check_byte_count, check_positive, dag_run_owner
+from sandbox_provider.sandbox.spec import (
+    SandboxExecResult,
+    SandboxSpec,
+    check_byte_count,
+    check_positive,
+    dag_run_owner,
+)
 from sandbox_provider.sandbox.transfer import DEFAULT_MAX_EXPORT_BYTES, check_transfer_map
 
 if TYPE_CHECKING:
@@ -145,11 +151,7 @@ class SandboxOperator(BaseOperator):
                 )
         elif not isinstance(command, str) or not command.strip():
             raise ValueError(f"command must be a non-empty shell command, got {command!r}.")
-        if not (
-            backend is None
-            or isinstance(backend, SandboxHook)
-            or (isinstance(backend, str) and backend.strip())
-        ):
+        if not (backend is None or isinstance(backend, SandboxHook) or (isinstance(backend, str) and backend.strip())):
             raise ValueError(
                 "backend must be a sandbox hook, the id of a sandbox connection, or None for the local "
                 f"backend; got {backend!r}."
@@ -299,15 +301,11 @@ class SandboxOperator(BaseOperator):
         if result.stderr:
             self.log.info("Standard error of the command in sandbox %s:\n%s", handle, result.stderr)
         if result.stdout_truncated or result.stderr_truncated:
-            self.log.info(
-                "Output was longer than max_output_bytes=%d; only its end is kept", self.max_output_bytes
-            )
+            self.log.info("Output was longer than max_output_bytes=%d; only its end is kept", self.max_output_bytes)
         masked_stderr = mask_stream(result.stderr, cut=result.stderr_truncated).rstrip()
         stderr_tail = tail_text(masked_stderr, TAIL_CHARS) or "(no output on standard error)"
         if result.sandbox_terminated:
-            raise SandboxCommandError(
-                f"The sandbox ended while the command ran; its files are gone.\n{stderr_tail}"
-            )
+            raise SandboxCommandError(f"The sandbox ended while the command ran; its files are gone.\n{stderr_tail}")
         if result.timed_out:
             limit = result.applied_timeout or self.timeout
             raise SandboxCommandError(
@@ -315,9 +313,7 @@ class SandboxOperator(BaseOperator):
                 f"timeout= or make the command faster. Last standard error:\n{stderr_tail}"
             )
         if result.exit_code in self.skip_on_exit_code:
-            raise AirflowSkipException(
-                f"The command exited with status {result.exit_code}; skipping the task."
-            )
+            raise AirflowSkipException(f"The command exited with status {result.exit_code}; skipping the task.")
         if result.exit_code != 0:
             raise SandboxCommandError(
                 f"The command exited with status {result.exit_code} in sandbox {handle}. Last standard error:\n"

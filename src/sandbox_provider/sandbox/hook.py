@@ -26,9 +26,9 @@ from sandbox_provider.sandbox.spec import (
     AttachedSandbox,
     SandboxExecResult,
     SandboxSpec,
+    check_byte_count,
     check_handle,
     check_path,
-    check_byte_count,
     decode_network_policy,
 )
 
@@ -107,9 +107,7 @@ class SandboxHook(BaseHook):
         """
 
     @abstractmethod
-    def run_command(
-        self, handle: str, command: str, *, timeout: float, max_output_bytes: int
-    ) -> SandboxExecResult:
+    def run_command(self, handle: str, command: str, *, timeout: float, max_output_bytes: int) -> SandboxExecResult:
         """
         Run ``command`` through ``sh -c`` in the sandbox's working directory.
 
@@ -231,7 +229,7 @@ class SandboxHook(BaseHook):
             f"echo {_SIZE_MARK}$s >&2; "
         )
         if max_bytes is not None:
-            script += f"[ \"$s\" -gt {int(max_bytes)} ] && exit {_TOO_LARGE}; "
+            script += f'[ "$s" -gt {int(max_bytes)} ] && exit {_TOO_LARGE}; '
         return script
 
     @staticmethod

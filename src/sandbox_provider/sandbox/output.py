@@ -193,9 +193,7 @@ def tail_lines(text: str, *, max_lines: int, max_bytes: int, already_cut: bool =
     return f"{note}\n{body}"
 
 
-def file_window(
-    text: str, *, offset: int = 1, limit: int | None = None, max_lines: int, max_bytes: int
-) -> str:
+def file_window(text: str, *, offset: int = 1, limit: int | None = None, max_lines: int, max_bytes: int) -> str:
     """
     Render lines of ``text`` starting at line ``offset`` (1-based), at most ``limit`` of them,
     under ``max_lines`` lines and ``max_bytes`` UTF-8 bytes.

@@ -118,7 +118,9 @@ class SandboxSession:
                     "sandbox returned nothing, or this task ran before it; check the upstream task and its XCom."
                 )
             if spec is not None:
-                raise ValueError("spec cannot be combined with attach_to: the sandbox already exists with its own spec.")
+                raise ValueError(
+                    "spec cannot be combined with attach_to: the sandbox already exists with its own spec."
+                )
         elif owner is not None:
             raise ValueError("owner only applies together with attach_to.")
         if spec is not None and not isinstance(spec, SandboxSpec):
@@ -223,7 +225,9 @@ class SandboxSession:
                 if attached.remaining_lifetime is not None:
                     self._expires_at = self._clock() + attached.remaining_lifetime
                 self._handle = attached.handle
-                left = "an unknown part" if attached.remaining_lifetime is None else f"{attached.remaining_lifetime:.0f}s"
+                left = (
+                    "an unknown part" if attached.remaining_lifetime is None else f"{attached.remaining_lifetime:.0f}s"
+                )
                 log.info(
                     "Attached to sandbox %s on backend %s as %s; %s of its lifetime remain",
                     attached.handle,

@@ -91,7 +91,9 @@ class SandboxSpec:
     def __post_init__(self) -> None:
         if self.env is not None:
             if not isinstance(self.env, Mapping):
-                raise ValueError(f"SandboxSpec.env must be a mapping of strings to strings, got {type(self.env).__name__}.")
+                raise ValueError(
+                    f"SandboxSpec.env must be a mapping of strings to strings, got {type(self.env).__name__}."
+                )
             bad = sorted(str(k) for k, v in self.env.items() if not isinstance(k, str) or not isinstance(v, str))
             if bad:
                 raise ValueError(

@@ -24,10 +24,10 @@ from typing_extensions import TypedDict
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
 from sandbox_provider.sandbox.hook import SandboxHook
 from sandbox_provider.sandbox.output import (
+    MASK_MARGIN_BYTES,
     file_window,
     format_size,
     head_lines,
-    MASK_MARGIN_BYTES,
     mask_stream,
     mask_text,
     tail_lines,
@@ -65,9 +65,7 @@ class _WriteFileArgs(TypedDict):
 
 
 class _ListDirectoryArgs(TypedDict):
-    path: NotRequired[
-        Annotated[str | None, Field(description="Directory to list. Omit it for the working directory.")]
-    ]
+    path: NotRequired[Annotated[str | None, Field(description="Directory to list. Omit it for the working directory.")]]
 
 
 _ARGS: dict[str, TypeAdapter[Any]] = {
@@ -194,8 +192,7 @@ class SandboxToolset(AbstractToolset[Any]):
     ) -> None:
         if not isinstance(backend, SandboxHook):
             raise ValueError(
-                "backend must be a sandbox hook instance such as LocalSandboxHook(), "
-                f"got {type(backend).__name__}."
+                f"backend must be a sandbox hook instance such as LocalSandboxHook(), got {type(backend).__name__}."
             )
         check_positive(default_command_timeout, "default_command_timeout")
         check_positive(max_command_timeout, "max_command_timeout")
@@ -228,8 +225,7 @@ class SandboxToolset(AbstractToolset[Any]):
                 )
             if not isinstance(attach_to, str) or not attach_to.strip():
                 raise ValueError(
-                    "attach_to must be a sandbox handle or a template that renders to one, "
-                    f"got {attach_to!r}."
+                    f"attach_to must be a sandbox handle or a template that renders to one, got {attach_to!r}."
                 )
             if spec is not None:
                 raise ValueError(
@@ -389,9 +385,7 @@ class SandboxToolset(AbstractToolset[Any]):
             return self._description
         session = self._session
         attached = session.attached if session is not None else None
-        workdir = (attached.workdir if attached is not None else None) or getattr(
-            self.backend, "workdir", None
-        )
+        workdir = (attached.workdir if attached is not None else None) or getattr(self.backend, "workdir", None)
         parts = [
             (
                 "Run a shell command line in an isolated sandbox and return its output. Pipes, redirection, "
@@ -417,8 +411,7 @@ class SandboxToolset(AbstractToolset[Any]):
                 parts.append(network_note(attached.network))
             else:
                 parts.append(
-                    "Its network access is whatever the task that provisioned it allowed; test before "
-                    "relying on it."
+                    "Its network access is whatever the task that provisioned it allowed; test before relying on it."
                 )
             if attached is not None:
                 parts.append(lifetime_note(attached.remaining_lifetime))
@@ -535,9 +528,7 @@ class SandboxToolset(AbstractToolset[Any]):
         # Mask before any cut of ours, so no cut can split a secret the masker would have caught;
         # the backend kept MASK_MARGIN_BYTES more than is shown, for what a cut of its own needs.
         text = mask_stream(text, cut=cut)
-        return tail_lines(
-            text, max_lines=self.max_output_lines, max_bytes=self.max_output_bytes, already_cut=cut
-        )
+        return tail_lines(text, max_lines=self.max_output_lines, max_bytes=self.max_output_bytes, already_cut=cut)
 
     def _run_command(self, session: SandboxSession, command: str, timeout_seconds: Any) -> str:
         if timeout_seconds is None:
@@ -549,13 +540,9 @@ class SandboxToolset(AbstractToolset[Any]):
                 or not math.isfinite(timeout_seconds)
                 or timeout_seconds <= 0
             ):
-                raise ModelRetry(
-                    f"timeout_seconds must be a number of seconds above 0, got {timeout_seconds!r}."
-                )
+                raise ModelRetry(f"timeout_seconds must be a number of seconds above 0, got {timeout_seconds!r}.")
             budget = min(float(timeout_seconds), self.max_command_timeout)
-        result = session.run(
-            command, timeout=budget, max_output_bytes=self.max_output_bytes + MASK_MARGIN_BYTES
-        )
+        result = session.run(command, timeout=budget, max_output_bytes=self.max_output_bytes + MASK_MARGIN_BYTES)
         sections = []
         if result.stdout:
             sections.append("[stdout]\n" + self._shape(result.stdout, cut=result.stdout_truncated))
@@ -569,9 +556,7 @@ class SandboxToolset(AbstractToolset[Any]):
         elif result.exit_code != 0:
             notes.append(f"[exit code: {result.exit_code}]")
             if result.exit_code == 127:
-                notes.append(
-                    "[127 usually means the command is not installed in this sandbox; use another tool]"
-                )
+                notes.append("[127 usually means the command is not installed in this sandbox; use another tool]")
         if result.applied_timeout is not None and not result.timed_out and result.applied_timeout < budget:
             notes.append(f"[the sandbox allowed only {result.applied_timeout:g}s for this command]")
         if result.sandbox_terminated:
