@@ -1,14 +1,32 @@
-"""Provider metadata read by Airflow through the ``apache_airflow_provider`` entry point."""
+"""
+Provider metadata read by Airflow through the ``apache_airflow_provider`` entry point.
+
+Airflow calls this while it starts, so it imports no hook: the connection types come from each
+backend's form module (``hooks/forms/<backend>.py``), which imports nothing of Airflow.
+"""
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-_LIFETIME = {
-    "label": "Sandbox lifetime (seconds)",
-    "schema": {"type": ["integer", "null"], "minimum": 1},
-    "description": "Seconds a sandbox may live before it is removed. Default 3600.",
-}
+
+def connection_forms() -> list[tuple[str, Any]]:
+    """``(hook class path, ConnectionForm)`` for every backend with a connection type of its own."""
+    from sandbox_provider.hooks import HOOK_CLASSES
+
+    found = []
+    for path in HOOK_CLASSES:
+        module, _, name = path.partition(":")
+        form_module = module.replace(".hooks.", ".hooks.forms.", 1)
+        try:
+            forms = importlib.import_module(form_module)
+        except ModuleNotFoundError as err:
+            if err.name != form_module:
+                raise
+            continue  # a backend on another provider's connection type (Modal's "modal")
+        found.append((f"{module}.{name}", forms.FORM))
+    return found
 
 
 def get_provider_info() -> dict[str, Any]:
@@ -18,79 +36,18 @@ def get_provider_info() -> dict[str, Any]:
     return {
         "package-name": "airflow-provider-sandbox",
         "name": "Sandbox",
-        "description": "Isolated sandboxes for Dags: run code you do not fully trust on bubblewrap, Docker or Modal.",
+        "description": "Isolated sandboxes for Dags: run code you do not fully trust on bubblewrap, Docker, Modal "
+        "and more.",
         "versions": [__version__],
         "connection-types": [
             {
-                "connection-type": "sandbox_local",
-                "hook-class-name": "sandbox_provider.hooks.local.LocalSandboxHook",
-                "hook-name": "Sandbox (bubblewrap on the worker)",
-                "conn-fields": {
-                    "state_root": {
-                        "label": "State directory",
-                        "schema": {"type": ["string", "null"]},
-                        "description": "Where sandboxes live on the worker. Default: <tmp>/airflow-sandbox-<uid>.",
-                    },
-                    "image": {
-                        "label": "Root filesystem directory",
-                        "schema": {"type": ["string", "null"]},
-                        "description": "A directory used as the sandbox's read-only root instead of the host's "
-                        "system directories.",
-                    },
-                    "sandbox_timeout": _LIFETIME,
-                    "cpu_seconds": {
-                        "label": "CPU seconds per process",
-                        "schema": {"type": ["integer", "null"], "minimum": 1},
-                    },
-                    "memory_bytes": {
-                        "label": "Address space per process (bytes)",
-                        "schema": {"type": ["integer", "null"], "minimum": 1},
-                    },
-                    "max_processes": {
-                        "label": "Process limit",
-                        "schema": {"type": ["integer", "null"], "minimum": 1},
-                    },
-                },
-                "ui-field-behaviour": {
-                    "hidden-fields": ["host", "port", "schema", "login", "password"],
-                },
-            },
-            {
-                "connection-type": "sandbox_docker",
-                "hook-class-name": "sandbox_provider.hooks.docker.DockerSandboxHook",
-                "hook-name": "Sandbox (Docker Engine)",
-                "conn-fields": {
-                    "image": {
-                        "label": "Default image",
-                        "schema": {"type": ["string", "null"]},
-                    },
-                    "network": {
-                        "label": "Network for block_network=False",
-                        "schema": {"type": ["string", "null"]},
-                        "description": "Docker network joined when the spec opens the network. Default: bridge.",
-                    },
-                    "cpus": {"label": "CPUs", "schema": {"type": ["number", "null"], "exclusiveMinimum": 0}},
-                    "memory_bytes": {"label": "Memory limit (bytes)", "schema": {"type": ["integer", "null"]}},
-                    "pids_limit": {"label": "Process limit", "schema": {"type": ["integer", "null"]}},
-                    "sandbox_timeout": _LIFETIME,
-                    "tls_ca_cert": {"label": "TLS CA certificate (path)", "schema": {"type": ["string", "null"]}},
-                    "tls_client_cert": {
-                        "label": "TLS client certificate (path)",
-                        "schema": {"type": ["string", "null"]},
-                    },
-                    "tls_client_key": {"label": "TLS client key (path)", "schema": {"type": ["string", "null"]}},
-                    "tls_verify": {"label": "Verify TLS", "schema": {"type": ["boolean", "null"]}},
-                },
-                "ui-field-behaviour": {
-                    "hidden-fields": ["port", "schema"],
-                    "relabeling": {
-                        "host": "Docker daemon address",
-                        "login": "Registry user",
-                        "password": "Registry password",
-                    },
-                    "placeholders": {"host": "unix:///var/run/docker.sock"},
-                },
-            },
+                "connection-type": form.conn_type,
+                "hook-class-name": path,
+                "hook-name": form.hook_name,
+                "conn-fields": form.settings.form_fields(),
+                "ui-field-behaviour": dict(form.ui_behaviour),
+            }
+            for path, form in connection_forms()
         ],
         "task-decorators": [
             {"name": "sandbox", "class-name": "sandbox_provider.decorators.sandbox.sandbox_task"},

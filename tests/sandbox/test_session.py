@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 
@@ -133,15 +134,16 @@ def test_keep_then_attach_then_collect(hook, tmp_path):
 
 
 def test_attached_command_clamped_to_lifetime(tmp_path):
+    import time_machine
+
     hook = LocalSandboxHook(state_root=str(tmp_path / "s"), sandbox_timeout=30)
     handle = hook.create(spec=SandboxSpec(owner="d/r"))
-    now = [1000.0]
-    with SandboxSession(hook, attach_to=handle, owner="d/r", holder="d/r/t", clock=lambda: now[0]) as session:
+    with SandboxSession(hook, attach_to=handle, owner="d/r", holder="d/r/t") as session:
         result = session.run("true", timeout=300, max_output_bytes=10)
         assert result.applied_timeout is not None and result.applied_timeout <= 30
-        now[0] += 60
-        with pytest.raises(SandboxTerminalError, match="end of its lifetime"):
-            session.run("true", timeout=300, max_output_bytes=10)
+        with time_machine.travel(time.time() + 60, tick=True):
+            with pytest.raises(SandboxTerminalError, match="end of its lifetime"):
+                session.run("true", timeout=300, max_output_bytes=10)
     hook.destroy(handle)
 
 
@@ -212,7 +214,7 @@ def test_empty_or_nul_paths_are_clear_errors(hook):
 
 def test_listing_too_large_is_an_error_not_a_silent_cut(hook, monkeypatch):
     from sandbox_provider.sandbox import SandboxError
-    from sandbox_provider.sandbox import hook as hook_module
+    from sandbox_provider.sandbox import files as hook_module
 
     handle = hook.create()
     try:

@@ -27,7 +27,7 @@ from pydantic_ai.models.function import AgentInfo, FunctionModel
 from sandbox_provider.hooks.local import LocalSandboxHook
 from sandbox_provider.sandbox import SandboxSpec, SandboxTerminalError
 from sandbox_provider.sandbox.errors import SandboxError
-from sandbox_provider.sandbox.hook import SandboxHook
+from sandbox_provider.sandbox.hook import RunOutcome, SandboxHook
 from sandbox_provider.sandbox.spec import HOLDER_TAG, OWNER_TAG, SandboxExecResult
 from sandbox_provider.toolsets import SandboxToolset
 from sandbox_provider.toolsets.sandbox import MASK_MARGIN_BYTES
@@ -327,11 +327,12 @@ def test_spec_reaches_the_backend_and_the_description(local, state_root):
 class _Crashing(LocalSandboxHook):
     """The local backend, except that the command ``crash`` ends the sandbox the way a backend would."""
 
-    def run_command(self, handle, command, *, timeout, max_output_bytes):
+    def _run(self, handle, command, *, timeout, output):
         if command == "crash":
             self.destroy(handle)
-            return SandboxExecResult(137, "", "Killed", sandbox_terminated=True)
-        return super().run_command(handle, command, timeout=timeout, max_output_bytes=max_output_bytes)
+            output.stderr(b"Killed")
+            return RunOutcome(137, sandbox_terminated=True)
+        return super()._run(handle, command, timeout=timeout, output=output)
 
 
 def test_a_sandbox_that_ended_is_announced_and_replaced(state_root):

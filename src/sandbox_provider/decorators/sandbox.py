@@ -25,6 +25,7 @@ from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_d
 from airflow.sdk.definitions.context import KNOWN_CONTEXT_KEYS
 
 from sandbox_provider.operators.sandbox import SandboxCommandError, SandboxOperator, _is_reference
+from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError
 from sandbox_provider.sandbox.output import format_size
 
@@ -41,40 +42,6 @@ DEFAULT_MAX_RESULT_BYTES = 1024 * 1024
 _FUTURE = "from __future__ import annotations\n"
 #: Where a call's files live, relative to the sandbox's working directory.
 _TASK_DIR = ".airflow-sandbox-task"
-
-# The program the sandbox's Python runs. Standard library only; it knows nothing of Airflow.
-_RUNNER = '''\
-"""Call one @task.sandbox function with JSON arguments and store its JSON return value."""
-import json
-import os
-import sys
-
-
-def _call():
-    source_path, name, call_path, result_path = sys.argv[1:5]
-    with open(call_path, encoding="utf-8") as handle:
-        call = json.load(handle)
-    with open(source_path, encoding="utf-8") as handle:
-        code = compile(handle.read(), source_path, "exec")
-    namespace = {"__name__": "__sandbox_task__", "__file__": source_path}
-    exec(code, namespace)
-    value = namespace[name](*call["args"], **call["kwargs"])
-    try:
-        text = json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError) as err:
-        sys.stderr.write(
-            "The return value of %s() cannot be sent back as JSON (%s). Return dicts with string keys, "
-            "lists, strings, numbers, booleans or None.\\n" % (name, err)
-        )
-        sys.exit(1)
-    with open(result_path + ".partial", "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.replace(result_path + ".partial", result_path)
-
-
-if __name__ == "__main__":
-    _call()
-'''
 
 
 # -- parse-time checks -----------------------------------------------------------------------------------
@@ -305,7 +272,7 @@ class _SandboxDecoratedOperator(DecoratedOperator, SandboxOperator):
         files = {
             **self.files,
             source_path: header + source,
-            f"{directory}/runner.py": _RUNNER,
+            f"{directory}/runner.py": guest.program("task_runner.py"),
             f"{directory}/call.json": call,
         }
         command = " ".join(

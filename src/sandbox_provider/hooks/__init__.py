@@ -1,4 +1,11 @@
-"""One hook per backend, and the lookup from a connection to its hook."""
+"""
+One hook per backend, and the lookup from a connection to its hook.
+
+:data:`HOOK_CLASSES` is the one list of backends: it drives the connection types Airflow registers
+(with their form fields, from each hook's settings table), :func:`get_sandbox_hook`, and the lazy
+``*SandboxBackend`` exports of :mod:`sandbox_provider.sandbox`. Hook modules import their vendor's
+SDK only when a sandbox is used, so loading a hook class is cheap.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +15,30 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from sandbox_provider.sandbox.hook import SandboxHook
 
-__all__ = ["CONNECTION_TYPES", "get_sandbox_hook"]
+__all__ = ["HOOK_CLASSES", "connection_types", "get_sandbox_hook", "hook_class", "hook_classes"]
 
-#: Connection type -> (module, hook class, name of the hook's connection-id argument).
-CONNECTION_TYPES: dict[str, tuple[str, str, str]] = {
-    "sandbox_local": ("sandbox_provider.hooks.local", "LocalSandboxHook", "sandbox_conn_id"),
-    "sandbox_docker": ("sandbox_provider.hooks.docker", "DockerSandboxHook", "sandbox_conn_id"),
-    "modal": ("sandbox_provider.hooks.modal", "ModalSandboxHook", "modal_conn_id"),
-}
+#: Every backend, as ``"module:ClassName"``.
+HOOK_CLASSES: tuple[str, ...] = (
+    "sandbox_provider.hooks.local:LocalSandboxHook",
+    "sandbox_provider.hooks.docker:DockerSandboxHook",
+    "sandbox_provider.hooks.modal:ModalSandboxHook",
+)
+
+
+def hook_class(path: str) -> type[SandboxHook]:
+    """Import and return the hook class named ``"module:ClassName"``."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def hook_classes() -> list[type[SandboxHook]]:
+    """Every backend's hook class, in :data:`HOOK_CLASSES` order."""
+    return [hook_class(path) for path in HOOK_CLASSES]
+
+
+def connection_types() -> dict[str, type[SandboxHook]]:
+    """Connection type -> the hook class that handles it, for every backend."""
+    return {cls.conn_type: cls for cls in hook_classes()}
 
 
 def get_sandbox_hook(backend: SandboxHook | str | None) -> SandboxHook:
@@ -43,13 +66,12 @@ def get_sandbox_hook(backend: SandboxHook | str | None) -> SandboxHook:
     from airflow.sdk import BaseHook
 
     conn = BaseHook.get_connection(backend)
-    entry = CONNECTION_TYPES.get(conn.conn_type or "")
-    if entry is None:
-        known = ", ".join(sorted(CONNECTION_TYPES))
+    types = connection_types()
+    cls = types.get(conn.conn_type or "")
+    if cls is None:
+        known = ", ".join(sorted(types))
         raise ValueError(
             f"Connection {backend!r} has type {conn.conn_type!r}, which no sandbox backend handles. "
             f"Use a connection of one of these types: {known}."
         )
-    module, class_name, conn_arg = entry
-    hook_class = getattr(importlib.import_module(module), class_name)
-    return hook_class(**{conn_arg: backend})
+    return cls(**{cls.conn_name_attr: backend})

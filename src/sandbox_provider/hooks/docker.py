@@ -49,23 +49,19 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
+from sandbox_provider.hooks.forms.docker import FORM
+from sandbox_provider.sandbox import guest
+from sandbox_provider.sandbox.attach import Attachable
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
-from sandbox_provider.sandbox.hook import SandboxHook, check_export_size
-from sandbox_provider.sandbox.output import TailBuffer
+from sandbox_provider.sandbox.files import ShellFiles, check_export_size
+from sandbox_provider.sandbox.hook import Capabilities, OutputSink, ProvisionRequest, RunOutcome, SandboxHook
 from sandbox_provider.sandbox.spec import (
     EXPIRES_AT_TAG,
     NETWORK_TAG,
     OWNER_TAG,
-    SANDBOX_NAME_PREFIX,
     WORKDIR_TAG,
-    SandboxExecResult,
-    SandboxSpec,
     check_byte_count,
-    check_handle,
-    check_positive,
-    encode_network_policy,
     is_named_sandbox,
-    new_sandbox_name,
 )
 
 if TYPE_CHECKING:
@@ -78,11 +74,6 @@ __all__ = ["DockerSandboxBackend", "DockerSandboxHook", "DockerSandboxInfo"]
 #: The label every sandbox container of this provider carries; its value is the handle.
 SANDBOX_LABEL = "airflow_sandbox"
 #: Image used when neither the hook nor the connection names one.
-DEFAULT_IMAGE = "python:3.12-slim"
-DEFAULT_SANDBOX_TIMEOUT = 3600
-DEFAULT_CPUS = 1.0
-DEFAULT_MEMORY_BYTES = 1024**3
-DEFAULT_PIDS_LIMIT = 512
 #: Seconds for one API call to the Engine (command output streams are not bound by it).
 API_TIMEOUT = 60
 #: Capabilities kept; all others are dropped.
@@ -114,37 +105,6 @@ _GO_MODE_SYMLINK = 1 << 27
 _GO_MODE_TYPE = (1 << 31) | (1 << 27) | (1 << 26) | (1 << 25) | (1 << 24) | (1 << 21) | (1 << 19)
 _SYMLINK_HOPS = 40
 #: The characters a container name may hold, as the Engine allows them.
-
-
-# Wraps every command. ``timeout`` SIGKILLs the command's process group at the deadline; then, and
-# also when the command ends by itself, every orphan the container's init adopted is killed, round
-# after round, so background jobs, nohup'd and setsid'd processes do not outlive the command (as
-# they cannot on the local backend, whose PID namespace ends with the command). The container's
-# main ``sleep`` is the oldest child of init, which no process can fake; it is spared. Zombies are
-# left to init to reap. Positional arguments: the deadline in seconds, then the command.
-_RUNNER = r"""
-timeout -s KILL "$1" sh -c "$2"
-rc=$?
-sweep() {
-  main=""; oldest=""; found=""
-  for d in /proc/[0-9]*; do
-    read -r s < "$d/stat" 2>/dev/null || continue
-    s=${s##*) }; set -- $s
-    [ "$2" = 1 ] || continue
-    if [ -z "$oldest" ] || [ "${20}" -lt "$oldest" ]; then oldest=${20}; main=${d#/proc/}; fi
-  done
-  for d in /proc/[0-9]*; do
-    read -r s < "$d/stat" 2>/dev/null || continue
-    s=${s##*) }; set -- $s
-    [ "$2" = 1 ] && [ "$1" != Z ] && [ "${d#/proc/}" != "$main" ] || continue
-    kill -9 "${d#/proc/}" 2>/dev/null && found=1
-  done
-  [ -n "$found" ]
-}
-i=0
-while sweep && [ "$i" -lt 50 ]; do i=$((i + 1)); sleep 0.05; done
-exit "$rc"
-"""
 
 
 @dataclass(frozen=True)
@@ -190,7 +150,7 @@ class _ChunkReader(io.RawIOBase):
         return n
 
 
-class DockerSandboxHook(SandboxHook):
+class DockerSandboxHook(ShellFiles, Attachable, SandboxHook):
     """
     Provision sandboxes as containers on a Docker Engine.
 
@@ -220,17 +180,20 @@ class DockerSandboxHook(SandboxHook):
     :raises ValueError: for a non-positive limit or an unknown pull policy.
     """
 
-    conn_name_attr = "sandbox_conn_id"
-    default_conn_name = "sandbox_docker_default"
-    conn_type = "sandbox_docker"
-    hook_name = "Sandbox (Docker Engine)"
-
     name: ClassVar[str] = "docker"
-    attachable: ClassVar[bool] = True
+    display_name: ClassVar[str] = "Docker"
+    capabilities = Capabilities(
+        max_command_seconds=MAX_COMMAND_SECONDS,
+        advice=(
+            "Drop the allow lists to keep the network blocked, set block_network=False to give the sandbox the open "
+            "network of the connection's Docker network, or use a backend that enforces allow lists."
+        ),
+    )
+    form = FORM
 
     def __init__(
         self,
-        sandbox_conn_id: str = default_conn_name,
+        sandbox_conn_id: str = FORM.default_conn_name,
         *,
         image: str | None = None,
         cpus: float | None = None,
@@ -251,23 +214,26 @@ class DockerSandboxHook(SandboxHook):
         if pull not in _PULL_POLICIES:
             raise ValueError(f"pull must be one of {', '.join(_PULL_POLICIES)}; got {pull!r}.")
         self.sandbox_conn_id = sandbox_conn_id
+        self._args = self.settings.check_args(
+            {
+                "image": image,
+                "network": network,
+                "cpus": cpus,
+                "memory_bytes": memory_bytes,
+                "pids_limit": pids_limit,
+                "sandbox_timeout": sandbox_timeout,
+            }
+        )
         self.image = image
-        self.cpus = check_positive(cpus, "cpus", allow_none=True)
-        self.memory_bytes = check_positive(memory_bytes, "memory_bytes", allow_none=True)
-        self.pids_limit = check_positive(pids_limit, "pids_limit", allow_none=True)
-        self.sandbox_timeout = check_positive(sandbox_timeout, "sandbox_timeout", allow_none=True)
-        self.network = network
         self.pull = pull
         self._lock = threading.Lock()
         self._client_obj: docker.DockerClient | None = None
         self._settings_obj: dict[str, Any] | None = None
         self._where = "the local Docker Engine"
-        #: Expiry times of sandboxes this hook created or read, to clamp command deadlines.
-        self._expiry: dict[str, float] = {}
 
     # -- connection ------------------------------------------------------------------------------------
 
-    def _settings(self) -> dict[str, Any]:
+    def _resolved(self) -> dict[str, Any]:
         if self._settings_obj is not None:
             return self._settings_obj
         from airflow.exceptions import AirflowNotFoundException
@@ -286,43 +252,11 @@ class DockerSandboxHook(SandboxHook):
         else:
             host, login, password = conn.host or None, conn.login or None, conn.password or None
             extra = dict(conn.extra_dejson or {})
-
-        def pick(arg: Any, key: str, default: Any) -> Any:
-            if arg is not None:
-                return arg
-            value = extra.get(key)
-            return default if value in (None, "") else value
-
-        settings = {
-            "host": host,
-            "login": login,
-            "password": password,
-            "image": pick(self.image, "image", DEFAULT_IMAGE),
-            "network": pick(self.network, "network", "bridge"),
-            "cpus": pick(self.cpus, "cpus", DEFAULT_CPUS),
-            "memory_bytes": pick(self.memory_bytes, "memory_bytes", DEFAULT_MEMORY_BYTES),
-            "pids_limit": pick(self.pids_limit, "pids_limit", DEFAULT_PIDS_LIMIT),
-            "sandbox_timeout": pick(self.sandbox_timeout, "sandbox_timeout", DEFAULT_SANDBOX_TIMEOUT),
-            "tls_ca_cert": extra.get("tls_ca_cert") or None,
-            "tls_client_cert": extra.get("tls_client_cert") or None,
-            "tls_client_key": extra.get("tls_client_key") or None,
-            "tls_verify": _flag(extra.get("tls_verify")),
-        }
-        for key in ("cpus", "memory_bytes", "pids_limit", "sandbox_timeout"):
-            value = settings[key]
-            if isinstance(value, str):
-                try:
-                    value = float(value)
-                except ValueError:
-                    pass
-            try:
-                check_positive(value, key)
-            except ValueError as err:
-                raise SandboxTerminalError(
-                    f"Connection {self.sandbox_conn_id!r} has a bad {key!r} extra: {err} Fix the extra or pass "
-                    f"{key}= to the hook."
-                ) from None
-            settings[key] = value
+        try:
+            settings = self.settings.resolve(self._args, extra, conn_id=self.sandbox_conn_id)
+        except ValueError as err:
+            raise SandboxTerminalError(f"{err} Fix the extra or pass the setting to the hook.") from None
+        settings.update(host=host, login=login, password=password)
         self._settings_obj = settings
         return settings
 
@@ -338,7 +272,7 @@ class DockerSandboxHook(SandboxHook):
                 raise AirflowOptionalProviderFeatureException(
                     "The Docker sandbox backend needs the docker package: pip install 'airflow-provider-sandbox[docker]'."
                 ) from err
-            settings = self._settings()
+            settings = self._resolved()
             host = settings["host"]
             if host and "://" not in host:
                 host = ("unix://" + host) if host.startswith("/") else ("tcp://" + host)
@@ -379,7 +313,7 @@ class DockerSandboxHook(SandboxHook):
         import requests
 
         if isinstance(err, docker.errors.NotFound) and handle:
-            self._expiry.pop(handle, None)
+            self._known_expiry.pop(handle, None)
             return SandboxTerminalError(
                 f"Sandbox {handle!r} does not exist on {self._where} (connection {self.sandbox_conn_id!r}): it was "
                 "destroyed or reached the end of its lifetime."
@@ -395,56 +329,16 @@ class DockerSandboxHook(SandboxHook):
             return SandboxTerminalError(f"{self._where} failed while {doing}: {err.explanation or err}")
         return SandboxError(f"{self._where} refused {doing}: {getattr(err, 'explanation', None) or err}")
 
-    @staticmethod
-    def _check_handle(handle: str) -> str:
-        # The SDK puts the name into the request path as it is, and the Engine resolves ``..`` in
-        # it, so anything but one plain name component could reach another container.
-        check_handle(handle)
-        if not is_named_sandbox(handle):
-            raise ValueError(
-                f"{handle!r} is not a Docker sandbox handle. A handle is the container name create() returned: "
-                f"{SANDBOX_NAME_PREFIX!r} followed by letters, digits, '.', '_' or '-' (no '/' and no spaces), "
-                f"such as {SANDBOX_NAME_PREFIX + '0123456789ab'!r}."
-            )
-        return handle
-
     # -- lifecycle -------------------------------------------------------------------------------------
 
-    def create(self, *, spec: SandboxSpec | None = None) -> str:
-        """
-        Start a sandbox container and return its handle, ``airflow-sandbox-<12 hex>``.
-
-        :param spec: env, network and owner; None means the defaults of :class:`SandboxSpec`
-            (no network).
-        :raises SandboxTerminalError: for host or CIDR allow lists (not enforced by this backend
-            yet), an Engine that cannot be reached, an image that is missing and cannot be pulled,
-            or a container that fails to start.
-        """
-        spec = spec if spec is not None else SandboxSpec()
-        if spec.has_allowlist:
-            raise SandboxTerminalError(
-                "The Docker sandbox backend cannot yet limit egress to listed hosts or address ranges "
-                f"(asked for hosts {list(spec.allow_egress_to or [])} and ranges "
-                f"{list(spec.allow_egress_to_cidrs or [])}). Drop the allow lists to keep the network blocked, "
-                "set block_network=False to give the sandbox the open network of the connection's Docker "
-                "network, or use a backend that enforces allow lists."
-            )
-        settings = self._settings()
+    def _provision(self, request: ProvisionRequest) -> str:
+        spec = request.spec
+        settings = self._resolved()
         client = self._client()
         api = client.api
-        lifetime = float(settings["sandbox_timeout"])
-        handle = new_sandbox_name()
-        started = time.time()
-        # Stamped no later than the Engine's own end: sleep starts after this instant.
-        expires_at = int(started + lifetime)
-        labels = {
-            SANDBOX_LABEL: handle,
-            EXPIRES_AT_TAG: str(expires_at),
-            NETWORK_TAG: encode_network_policy(spec),
-            WORKDIR_TAG: self.workdir,
-        }
-        if spec.owner:
-            labels[OWNER_TAG] = spec.owner
+        lifetime = request.lifetime
+        handle = request.name
+        labels = {**request.stamps, SANDBOX_LABEL: handle}
         memory = int(settings["memory_bytes"])
         host_config = api.create_host_config(
             init=True,
@@ -481,8 +375,9 @@ class DockerSandboxHook(SandboxHook):
                 f"Sandbox container {handle} did not start on {self._where} (connection "
                 f"{self.sandbox_conn_id!r}): {getattr(err, 'explanation', None) or err}"
             ) from err
-        self._expiry[handle] = float(expires_at)
-        log.info("Started Docker sandbox %s from %s, lifetime %ss", handle, settings["image"], lifetime)
+        log.info(
+            "Started Docker sandbox %s from %s on %s, lifetime %ss", handle, settings["image"], self._where, lifetime
+        )
         return handle
 
     def _create_container(self, kwargs: dict[str, Any]) -> str:
@@ -506,7 +401,7 @@ class DockerSandboxHook(SandboxHook):
         raise AssertionError("unreachable")
 
     def _pull(self, image: str) -> None:
-        settings = self._settings()
+        settings = self._resolved()
         auth = None
         if settings["login"]:
             auth = {"username": settings["login"], "password": settings["password"] or ""}
@@ -528,17 +423,10 @@ class DockerSandboxHook(SandboxHook):
         except Exception:
             log.warning("Could not remove sandbox container %s", container, exc_info=True)
 
-    def destroy(self, handle: str) -> None:
-        """
-        Stop and remove the sandbox container. A sandbox that is gone (destroyed, or removed at the
-        end of its lifetime) is not an error.
-
-        :raises SandboxTerminalError: if the Engine cannot be reached.
-        """
+    def _destroy(self, handle: str) -> None:
+        # A sandbox that is gone (destroyed, or removed at the end of its lifetime) is not an error.
         import docker.errors
 
-        self._check_handle(handle)
-        self._expiry.pop(handle, None)
         try:
             self._client().api.remove_container(handle, force=True)
         except docker.errors.NotFound:
@@ -552,69 +440,34 @@ class DockerSandboxHook(SandboxHook):
 
     # -- commands --------------------------------------------------------------------------------------
 
-    def run_command(self, handle: str, command: str, *, timeout: float, max_output_bytes: int) -> SandboxExecResult:
-        """
-        Run ``command`` with ``sh -c`` in the sandbox's working directory.
-
-        The deadline is enforced inside the container by coreutils ``timeout``, which sends SIGKILL
-        to the command's whole process group. It is rounded up to whole milliseconds (never 0,
-        which ``timeout`` would read as no deadline). When the sandbox's lifetime ends sooner, the
-        deadline is shortened to it and reported as ``applied_timeout``; a hook that did not
-        create the sandbox reads the lifetime from the container's expiry label once. Without a
-        known lifetime, deadlines are capped at 30 days.
-
-        :param timeout: seconds before the command's process tree is killed.
-        :param max_output_bytes: bytes kept per stream (the tail), applied while reading.
-        :raises SandboxError: for an empty command, or one holding NUL or text that is not UTF-8.
-        :raises SandboxTerminalError: if the sandbox is gone or not running, was not created by
-            this provider, or the Engine is unreachable.
-        """
-        self._check_handle(handle)
-        check_positive(timeout, "timeout")
-        check_byte_count(max_output_bytes, "max_output_bytes")
-        if not isinstance(command, str) or not command.strip():
-            raise SandboxError("command must be a non-empty shell command string.")
-        if "\0" in command:
-            raise SandboxError(
-                "command contains a NUL character, which a command line cannot carry; remove it (write binary "
-                "data with write_file instead)."
-            )
+    def _run(self, handle: str, command: str, *, timeout: float, output: OutputSink) -> RunOutcome:
+        # The deadline is enforced inside the container by coreutils ``timeout``, which SIGKILLs the
+        # command's whole process group, rounded up to whole milliseconds (never 0, which ``timeout``
+        # reads as no deadline). The base caps deadlines at 30 days.
         if not _is_utf8(command):
             raise SandboxError(
                 "command must be valid UTF-8 text; it holds characters that cannot be encoded (undecodable "
                 "bytes carried as surrogates)."
             )
-        budget = float(timeout)
-        applied: float | None = None
-        left = self._expiry.get(handle)
-        if left is None:
-            left = self._read_expiry(handle)
-        left -= time.time()
-        if left <= 0:
-            raise SandboxTerminalError(f"Sandbox {handle!r} has reached the end of its lifetime.")
-        left = min(left, MAX_COMMAND_SECONDS)
-        if left < budget:
-            budget = applied = max(1.0, left)
-        deadline = _deadline_arg(budget)
+        deadline = _deadline_arg(timeout)
         budget = float(deadline)
         api = self._client().api
-        argv = ["sh", "-c", _RUNNER, "sandbox-run", deadline, command]
+        argv = ["sh", "-c", guest.program("docker_run.sh"), "sandbox-run", deadline, command]
         try:
             exec_id = api.exec_create(handle, argv, stdout=True, stderr=True, stdin=False, tty=False)["Id"]
             began = time.monotonic()
             stream = api.exec_start(exec_id, stream=True, demux=True)
         except Exception as err:
             raise self._engine_error(err, "starting a command", handle) from err
-        out, err_buf = TailBuffer(int(max_output_bytes)), TailBuffer(int(max_output_bytes))
         failure: list[BaseException] = []
 
         def pump() -> None:
             try:
                 for chunk_out, chunk_err in stream:
                     if chunk_out:
-                        out.write(chunk_out)
+                        output.stdout(chunk_out)
                     if chunk_err:
-                        err_buf.write(chunk_err)
+                        output.stderr(chunk_err)
             except Exception as exc:  # reported below; a closed stream ends here too
                 failure.append(exc)
 
@@ -641,22 +494,16 @@ class DockerSandboxHook(SandboxHook):
             except Exception as exc:
                 raise self._engine_error(exc, "checking the sandbox after a command", handle) from exc
         timed_out = abandoned or (exit_code in (124, 137) and elapsed >= budget and not terminated)
-        return SandboxExecResult(
-            exit_code=-1 if exit_code is None else int(exit_code),
-            stdout=out.text(),
-            stderr=err_buf.text(),
-            timed_out=timed_out,
-            stdout_truncated=out.truncated,
-            stderr_truncated=err_buf.truncated,
-            sandbox_terminated=terminated,
-            applied_timeout=applied,
+        return RunOutcome(
+            exit_code=-1 if exit_code is None else int(exit_code), timed_out=timed_out, sandbox_terminated=terminated
         )
 
-    def _read_expiry(self, handle: str) -> float:
-        """The sandbox's end (Unix time) from its expiry label, cached; infinity when it carries none."""
-        expires = _expiry_of(self._container_labels(handle))
-        self._expiry[handle] = expires
-        return expires
+    def _remaining_lifetime(self, handle: str) -> float | None:
+        # The expiry label, read once per handle; a sandbox without one has no known end.
+        expires = self._known_expiry.get(handle)
+        if expires is None:
+            expires = self._known_expiry[handle] = _expiry_of(self._container_labels(handle))
+        return expires - time.time()
 
     def _is_running(self, handle: str) -> bool:
         import docker.errors
@@ -664,7 +511,7 @@ class DockerSandboxHook(SandboxHook):
         try:
             state = self._client().api.inspect_container(handle)["State"]
         except docker.errors.NotFound:
-            self._expiry.pop(handle, None)
+            self._known_expiry.pop(handle, None)
             return False
         return bool(state.get("Running")) and not state.get("Paused")
 
@@ -792,7 +639,7 @@ class DockerSandboxHook(SandboxHook):
         :raises SandboxError: if it is missing, a directory or not a regular file.
         :raises SandboxTerminalError: if the sandbox is gone.
         """
-        self._check_handle(handle)
+        self.check_handle(handle)
         check_byte_count(max_bytes, "max_bytes")
         resolved, _ = self._regular_file(handle, path, int(max_bytes), "read")
         buffer = io.BytesIO()
@@ -809,7 +656,7 @@ class DockerSandboxHook(SandboxHook):
         :raises SandboxError: if it is missing, not a regular file, or changed while it was copied.
         :raises SandboxTerminalError: if the sandbox is gone.
         """
-        self._check_handle(handle)
+        self.check_handle(handle)
         check_byte_count(max_bytes, "max_bytes")
         resolved, size = self._regular_file(handle, path, int(max_bytes), "exported")
         copied = self._download(handle, resolved, path, stream, int(max_bytes))
@@ -822,7 +669,7 @@ class DockerSandboxHook(SandboxHook):
 
         :raises SandboxError: if ``path`` is unusable, missing or not a directory.
         """
-        self._check_handle(handle)
+        self.check_handle(handle)
         self._abs(path)
         return super().list_directory(handle, path)
 
@@ -850,7 +697,7 @@ class DockerSandboxHook(SandboxHook):
         """
         import docker.errors
 
-        self._check_handle(handle)
+        self.check_handle(handle)
         resolved, info = self._resolve(handle, path)
         if info is not None and int(info.get("mode", 0)) & _GO_MODE_DIR:
             raise SandboxError(f"{path!r} is a directory; write to a file path inside it.")
@@ -922,7 +769,7 @@ class DockerSandboxHook(SandboxHook):
     # -- stamps ----------------------------------------------------------------------------------------
 
     def _container_labels(self, handle: str) -> dict[str, str]:
-        self._check_handle(handle)
+        self.check_handle(handle)
         try:
             info = self._client().api.inspect_container(handle)
         except Exception as err:
@@ -944,7 +791,7 @@ class DockerSandboxHook(SandboxHook):
         """
         labels = self._container_labels(handle)
         tags = {key: labels[key] for key in _LABEL_STAMPS if key in labels}
-        self._expiry[handle] = _expiry_of(labels)
+        self._known_expiry[handle] = _expiry_of(labels)
         for key, value in self._read_stamp_file(handle).items():
             if key not in _LABEL_STAMPS:  # the labels stay the authority for what they hold
                 tags[key] = value
@@ -1100,7 +947,7 @@ class DockerSandboxHook(SandboxHook):
             client = self._client()
             client.api.ping()
             version = client.api.version()
-            image = self._settings()["image"]
+            image = self._resolved()["image"]
             try:
                 client.api.inspect_image(image)
                 image_note = f"image {image} is present"

@@ -19,7 +19,6 @@ import logging
 import math
 import posixpath
 import re
-import shlex
 import sys
 import tempfile
 import time
@@ -27,30 +26,29 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any, TypeVar
 
+from sandbox_provider.sandbox import guest
+from sandbox_provider.sandbox.attach import Attachable
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
+from sandbox_provider.sandbox.files import check_export_size, file_status_error, reported_size
 from sandbox_provider.sandbox.hook import (
     FILE_OP_TIMEOUT,
     STREAM_CHUNK_BYTES,
-    TOO_LARGE_STATUS,
+    Capabilities,
+    OutputSink,
+    ProvisionRequest,
+    RunOutcome,
     SandboxHook,
-    check_export_size,
 )
 from sandbox_provider.sandbox.output import StreamDrain, TailBuffer
 from sandbox_provider.sandbox.spec import (
     DEFAULT_WORKDIR,
     EXPIRES_AT_TAG,
-    NETWORK_TAG,
-    OWNER_TAG,
     WORKDIR_TAG,
     AttachedSandbox,
-    SandboxExecResult,
     SandboxSpec,
     check_byte_count,
-    check_handle,
     check_positive,
     check_workdir,
-    encode_network_policy,
-    new_sandbox_name,
 )
 
 log = logging.getLogger(__name__)
@@ -261,7 +259,7 @@ class _Tracked:
     workdir: str
 
 
-class ModalSandboxHook(SandboxHook):
+class ModalSandboxHook(Attachable, SandboxHook):
     """
     Run sandboxes on `Modal <https://modal.com/>`__.
 
@@ -299,7 +297,11 @@ class ModalSandboxHook(SandboxHook):
     hook_name = "Sandbox (Modal)"
 
     name = "modal"
-    attachable = True
+    display_name = "Modal"
+    capabilities = Capabilities(egress_hosts=True, egress_cidrs=True, max_command_seconds=MAX_SANDBOX_TIMEOUT)
+    handle_pattern = re.compile(r"sb-[A-Za-z0-9_-]{1,128}")
+    handle_shape = "a Modal sandbox id: those start with 'sb-'"
+    handle_example = "sb-a1b2c3d4e5f6"
 
     def __init__(
         self,
@@ -530,53 +532,30 @@ class ModalSandboxHook(SandboxHook):
             )
         return kwargs
 
-    def _check_spec(self, spec: SandboxSpec) -> dict[str, Any]:
-        network = self._network_kwargs(spec)
-        env = spec.env
-        if env is not None:
-            if not isinstance(env, Mapping):
-                raise SandboxTerminalError(f"SandboxSpec.env must map strings to strings, got {type(env).__name__}.")
-            bad = sorted(str(k) for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str))
-            if bad:
-                raise SandboxTerminalError(
-                    f"SandboxSpec.env must map strings to strings; these entries do not: {bad!r}. Convert each "
-                    "value in the Dag, e.g. str(port), so the sandbox sees what you meant."
-                )
+    def _refusal(self, spec: SandboxSpec) -> str | None:
+        try:
+            self._network_kwargs(spec)
+        except SandboxTerminalError as err:
+            return str(err)
         if spec.owner is not None and self.idle_timeout is not None:
-            raise SandboxTerminalError(
+            return (
                 f"SandboxSpec names an owner, so a later task will attach to this sandbox, but this backend has "
                 f"idle_timeout={self.idle_timeout}, and Modal would end the sandbox while it waits between tasks. "
                 "Leave idle_timeout unset on the backend that provisions for attaching, and size sandbox_timeout "
                 "to cover the wait."
             )
-        return network
+        return None
 
-    def _stamps(self, spec: SandboxSpec, expires_at: float) -> dict[str, str]:
-        tags = dict(self.tags)
-        tags[SANDBOX_MARKER_TAG] = "true"
-        tags[EXPIRES_AT_TAG] = str(int(expires_at))
-        tags[WORKDIR_TAG] = self.workdir
-        tags[NETWORK_TAG] = encode_network_policy(spec)
-        if spec.owner is not None:
-            tags[OWNER_TAG] = spec.owner
-        return tags
+    def _lifetime_seconds(self) -> float:
+        return float(self.sandbox_timeout)
 
-    def create(self, *, spec: SandboxSpec | None = None) -> str:
-        """
-        Provision a Modal sandbox and return its id (``sb-...``).
-
-        :param spec: what the sandbox must be; None means ``SandboxSpec()``: no network at all, DNS
-            included, and no environment variables.
-        :raises SandboxTerminalError: for a spec Modal cannot enforce (checked before anything is sent),
-            rejected credentials, or a failed provisioning.
-        :raises AirflowOptionalProviderFeatureException: when the ``modal`` extra is not installed.
-        """
-        spec = SandboxSpec() if spec is None else spec
-        network = self._check_spec(spec)
+    def _provision(self, request: ProvisionRequest) -> str:
+        spec = request.spec
+        network = self._network_kwargs(spec)
         modal = _import_modal()
-        name = new_sandbox_name()
-        expires_at = time.time() + self.sandbox_timeout
-        tags = self._stamps(spec, expires_at)
+        name = request.name
+        expires_at = request.expires_at
+        tags = {**self.tags, **request.stamps, SANDBOX_MARKER_TAG: "true"}
         client = self._client()
         hook = self.get_conn()
         app = self._call(
@@ -632,19 +611,9 @@ class ModalSandboxHook(SandboxHook):
 
     # -- finding sandboxes -----------------------------------------------------------------------------
 
-    @staticmethod
-    def _check_modal_handle(handle: Any) -> str:
-        check_handle(handle)
-        if not handle.startswith("sb-"):
-            raise SandboxTerminalError(
-                f"{handle!r} is not a Modal sandbox id; those start with 'sb-'. Pass the handle that "
-                "ModalSandboxHook.create returned."
-            )
-        return handle
-
     def _lookup(self, handle: str) -> _Tracked:
         """Return what is known of ``handle``, fetching it (and its stamps) from Modal the first time."""
-        self._check_modal_handle(handle)
+        self.check_handle(handle)
         tracked = self._tracked.get(handle)
         if tracked is not None:
             return tracked
@@ -665,6 +634,9 @@ class ModalSandboxHook(SandboxHook):
         if tracked.expires_at is None:
             return None
         return tracked.expires_at - time.time()
+
+    def _remaining_lifetime(self, handle: str) -> float | None:
+        return self._remaining(self._lookup(handle))
 
     def list_sandboxes(self, tags: Mapping[str, str] | None = None) -> list[str]:
         """
@@ -697,7 +669,7 @@ class ModalSandboxHook(SandboxHook):
                 f"Sandbox {handle!r} has reached the end of its lifetime (sandbox_timeout); Modal has ended it "
                 "or is about to. Provision a new sandbox, with a longer sandbox_timeout if the work needs it."
             )
-        if seconds > remaining:
+        if seconds >= math.floor(remaining):  # the deadline reaches the end of the sandbox's life
             return max(1, math.floor(remaining)), True
         return seconds, False
 
@@ -709,27 +681,15 @@ class ModalSandboxHook(SandboxHook):
             retry=False,  # a retried exec could run the command twice
         )
 
-    def run_command(self, handle: str, command: str, *, timeout: float, max_output_bytes: int) -> SandboxExecResult:
-        """
-        Run ``command`` with ``sh -c`` in the sandbox's workdir.
-
-        :param timeout: seconds; Modal kills the command at this deadline, rounded up to whole seconds
-            and cut to what is left of the sandbox's lifetime (``applied_timeout`` says what it had).
-            The sandbox and its files survive a timeout.
-        :param max_output_bytes: bytes of each stream's tail kept, counted while reading.
-        :returns: the result; ``sandbox_terminated`` when the sandbox died during the command.
-        :raises SandboxTerminalError: if the sandbox is gone or past its lifetime before the command starts.
-        """
-        check_positive(timeout, "timeout")
-        check_byte_count(max_output_bytes, "max_output_bytes")
-        if not isinstance(command, str) or not command.strip():
-            raise SandboxError(f"command must be a non-empty shell command, got {command!r}.")
+    def _run(self, handle: str, command: str, *, timeout: float, output: OutputSink) -> RunOutcome:
+        # Modal kills the command at the deadline, in whole seconds; the sandbox and its files
+        # survive a timeout. ``sandbox_terminated`` when the sandbox died during the command.
+        output.whole_lines = True
         tracked = self._lookup(handle)
         seconds, clamped = self._deadline_for(handle, tracked, timeout)
         started = self._monotonic()
         process = self._exec(tracked, handle, command, seconds, "starting a command")
-        cap = int(max_output_bytes)
-        stdout, stderr = StreamDrain(process.stdout, TailBuffer(cap)), StreamDrain(process.stderr, TailBuffer(cap))
+        stdout, stderr = StreamDrain(process.stdout, output.stdout), StreamDrain(process.stderr, output.stderr)
         stdout.start()
         stderr.start()
         died: BaseException | None = None
@@ -765,15 +725,10 @@ class ModalSandboxHook(SandboxHook):
         if terminated:
             self._tracked.pop(handle, None)
             log.warning("Modal sandbox %s ended during a command", handle)
-        return SandboxExecResult(
-            exit_code=exit_code,
-            stdout=stdout.sink.text(whole_lines=True),
-            stderr=stderr.sink.text(whole_lines=True),
-            timed_out=timed_out,
-            stdout_truncated=stdout.sink.truncated or stuck,
-            stderr_truncated=stderr.sink.truncated or stuck,
-            sandbox_terminated=terminated,
-            applied_timeout=float(seconds),
+        if stuck:
+            output.out.truncated = output.err.truncated = True
+        return RunOutcome(
+            exit_code=exit_code, timed_out=timed_out, sandbox_terminated=terminated, applied_timeout=float(seconds)
         )
 
     # -- files -----------------------------------------------------------------------------------------
@@ -792,11 +747,12 @@ class ModalSandboxHook(SandboxHook):
         check_byte_count(max_bytes, "max_bytes")
         tracked = self._lookup(handle)
         target = self._abs(tracked, path)
-        script = self._checks(target, max_bytes) + f"exec head -c {int(max_bytes) + 1} -- {shlex.quote(target)}"
+        script = guest.shell_command("file.sh", target, int(max_bytes), "head")
         budget = FILE_OP_TIMEOUT + max_bytes / (4 * 1024 * 1024)
         seconds, _ = self._deadline_for(handle, tracked, budget)
         process = self._exec(tracked, handle, script, seconds, f"{verb} {path!r}")
-        errors = StreamDrain(process.stderr, TailBuffer(64 * 1024))
+        tail = TailBuffer(64 * 1024)
+        errors = StreamDrain(process.stderr, tail.write)
         errors.start()
         copied = 0
         exc = sys.modules["modal"].exception
@@ -812,10 +768,10 @@ class ModalSandboxHook(SandboxHook):
         except exc.Error as err:
             raise self._translate(err, f"{verb} {path!r}", handle) from err
         errors.join(STREAM_GRACE)
-        size = self._reported_size(errors.sink.text(whole_lines=True))
-        if code == TOO_LARGE_STATUS:
+        size = reported_size(tail.text(whole_lines=True))
+        if code == guest.TOO_LARGE_STATUS:
             raise SandboxFileTooLargeError(path, size or max_bytes + 1, max_bytes)
-        known = self._file_status_error(code, path)
+        known = file_status_error(code, path)
         if known is not None:
             raise known
         if code == -1:
@@ -824,7 +780,7 @@ class ModalSandboxHook(SandboxHook):
             if self._has_ended(handle):
                 self._tracked.pop(handle, None)
                 raise SandboxTerminalError(f"Sandbox {handle!r} ended while {verb} {path!r}.")
-            detail = errors.sink.text(whole_lines=True).strip().splitlines()[-1:] or [f"exit status {code}"]
+            detail = tail.text(whole_lines=True).strip().splitlines()[-1:] or [f"exit status {code}"]
             raise SandboxError(f"Could not finish {verb} {path!r}: {detail[0]}")
         if size is None:
             raise SandboxError(f"The sandbox did not report the size of {path!r}.")
@@ -943,7 +899,7 @@ class ModalSandboxHook(SandboxHook):
 
     def attach(self, handle: str, *, owner: str, holder: str) -> AttachedSandbox:
         """Claim a sandbox another task provisioned; see :meth:`SandboxHook.attach`."""
-        self._check_modal_handle(handle)
+        self.check_handle(handle)
         try:
             attached = super().attach(handle, owner=owner, holder=holder)
         except SandboxError:
@@ -964,16 +920,10 @@ class ModalSandboxHook(SandboxHook):
         finally:
             self._tracked.pop(handle, None)
 
-    def destroy(self, handle: str) -> None:
-        """
-        Ask Modal to end the sandbox and return without waiting for it to stop.
-
-        A sandbox that is already gone is fine. Any other failure is logged with the handle and not
-        raised: Modal ends the sandbox at its ``sandbox_timeout`` anyway.
-
-        :raises ValueError: if ``handle`` is not a sandbox handle at all.
-        """
-        self._check_modal_handle(handle)
+    def _destroy(self, handle: str) -> None:
+        # Ask Modal to end the sandbox without waiting for it to stop. A sandbox that is already gone is
+        # fine; any other failure is logged with the handle and not raised: Modal ends the sandbox at its
+        # sandbox_timeout anyway.
         tracked = self._tracked.pop(handle, None)
         exc = _import_modal().exception
         gone = (exc.NotFoundError, exc.SandboxTerminatedError)

@@ -2,8 +2,9 @@
 The sandbox contract and the session engine.
 
 Backends are importable from here under their hook name and under the ``*SandboxBackend`` name
-the public guide uses (``ModalSandboxBackend``); they load lazily, so this package imports without
-any backend's optional dependencies.
+the public guide uses (``ModalSandboxBackend``). Everything that imports Airflow or a backend loads
+on first use, so this package, its value types and its settings import without Airflow being
+initialised (Airflow reads the provider's connection forms while it starts).
 """
 
 from __future__ import annotations
@@ -11,9 +12,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from sandbox_provider.hooks import HOOK_CLASSES
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
-from sandbox_provider.sandbox.hook import SandboxHook
-from sandbox_provider.sandbox.session import SandboxSession, task_holder
 from sandbox_provider.sandbox.spec import (
     AttachedSandbox,
     SandboxExecResult,
@@ -22,31 +22,30 @@ from sandbox_provider.sandbox.spec import (
     is_sandbox_handle,
 )
 
-#: The contract's base class under the name the public guide uses.
-SandboxBackend = SandboxHook
-
 _LAZY = {
-    "LocalSandboxHook": "sandbox_provider.hooks.local",
-    "LocalSandboxBackend": "sandbox_provider.hooks.local",
-    "DockerSandboxHook": "sandbox_provider.hooks.docker",
-    "DockerSandboxBackend": "sandbox_provider.hooks.docker",
-    "ModalSandboxHook": "sandbox_provider.hooks.modal",
-    "ModalSandboxBackend": "sandbox_provider.hooks.modal",
+    "SandboxHook": "sandbox_provider.sandbox.hook",
+    "SandboxBackend": "sandbox_provider.sandbox.hook",
+    "SandboxSession": "sandbox_provider.sandbox.session",
+    "task_holder": "sandbox_provider.sandbox.session",
 }
+# The *SandboxBackend names of the guide, from the one list of backends.
+_LAZY.update(
+    {
+        alias: path.partition(":")[0]
+        for path in HOOK_CLASSES
+        for alias in (path.partition(":")[2], path.partition(":")[2].replace("Hook", "Backend"))
+    }
+)
 
 __all__ = [
     "AttachedSandbox",
-    "SandboxBackend",
     "SandboxError",
     "SandboxExecResult",
     "SandboxFileTooLargeError",
-    "SandboxHook",
-    "SandboxSession",
     "SandboxSpec",
     "SandboxTerminalError",
     "dag_run_owner",
     "is_sandbox_handle",
-    "task_holder",
     *_LAZY,
 ]
 

@@ -8,7 +8,7 @@ a spec the backend cannot enforce): it fails the task and leaves the retry to Ai
 
 from __future__ import annotations
 
-__all__ = ["SandboxError", "SandboxFileTooLargeError", "SandboxTerminalError"]
+__all__ = ["SandboxError", "SandboxFileTooLargeError", "SandboxHandleError", "SandboxTerminalError"]
 
 
 class SandboxError(Exception):
@@ -36,3 +36,12 @@ class SandboxFileTooLargeError(SandboxError):
 
     def __reduce__(self):  # keep the three-argument constructor picklable
         return (type(self), (self.path, self.size_bytes, self.max_bytes))
+
+
+class SandboxHandleError(SandboxTerminalError, ValueError):
+    """
+    A string that cannot name a sandbox of this backend: empty, a missing XCom (``"None"``), or not of
+    the backend's handle pattern. Nothing is sent to the backend with it.
+
+    It is a :class:`ValueError` too, since the value is wrong wherever it came from.
+    """

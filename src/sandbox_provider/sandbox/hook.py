@@ -1,61 +1,208 @@
-"""The ``SandboxHook`` contract every backend implements, with shell-based file defaults."""
+"""
+The ``SandboxHook`` contract. The base class carries the policy; a backend only translates it.
+
+``create``, ``run_command`` and ``destroy`` are template methods, the same for every backend: they
+check the spec against what the backend declares it can enforce, name the sandbox, compute its
+lifetime and creation stamps, check the handle and the command, clamp the deadline to the lifetime
+left, stream the output into bounded tails, and build the result. A backend implements
+``_provision``, ``_run`` and ``_destroy``, and file operations natively or through
+:class:`~sandbox_provider.sandbox.files.ShellFiles`.
+"""
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
 import logging
 import re
-import shlex
 import time
 from abc import abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import IO, Any, ClassVar
 
 from airflow.sdk import BaseHook
 
-from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
+from sandbox_provider.sandbox.errors import SandboxError, SandboxHandleError, SandboxTerminalError
+from sandbox_provider.sandbox.output import TailBuffer
+from sandbox_provider.sandbox.settings import ConnectionForm, SettingsTable
 from sandbox_provider.sandbox.spec import (
     DEFAULT_WORKDIR,
     EXPIRES_AT_TAG,
-    HOLDER_TAG,
     NETWORK_TAG,
     OWNER_TAG,
+    SANDBOX_NAME_PREFIX,
     WORKDIR_TAG,
-    AttachedSandbox,
     SandboxExecResult,
     SandboxSpec,
     check_byte_count,
     check_handle,
-    check_path,
-    decode_network_policy,
+    check_positive,
+    encode_network_policy,
+    new_sandbox_name,
+    trace_stamps,
 )
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SandboxHook"]
+__all__ = ["Capabilities", "OutputCallback", "OutputSink", "ProvisionRequest", "RunOutcome", "SandboxHook"]
 
-#: Budget for one file operation run through the shell, in seconds.
+#: Budget for one file operation, in seconds.
 FILE_OP_TIMEOUT = 120.0
-#: Raw bytes moved per shell command when a backend has no file API.
-SHELL_CHUNK_BYTES = 4 * 1024 * 1024
-#: Raw bytes per write command: a command line holds at most 128 KiB in one argument on Linux.
-SHELL_WRITE_CHUNK_BYTES = 48 * 1024
-#: The most bytes of names one ``list_directory`` returns.
-LIST_OUTPUT_BYTES = 16 * 1024 * 1024
 #: Bytes read from a local or object-storage stream at a time.
 STREAM_CHUNK_BYTES = 1024 * 1024
+#: The shortest deadline a command gets when the lifetime left is shorter still, in seconds.
+MIN_COMMAND_SECONDS = 0.5
+#: The pattern of the handles ``new_sandbox_name`` makes: the prefix and 1 to 112 plain characters.
+NAMED_HANDLE = re.compile(re.escape(SANDBOX_NAME_PREFIX) + r"[A-Za-z0-9][A-Za-z0-9_.-]{0,111}")
 
-# Exit statuses the guest-side checks use; chosen outside what coreutils return.
-_MISSING, _IS_DIR, _NOT_REGULAR, _TOO_LARGE = 66, 67, 68, 69
-#: The status :meth:`SandboxHook._checks` exits with for a file over the budget.
-TOO_LARGE_STATUS = _TOO_LARGE
-_SIZE_MARK = "sandbox-size:"
+#: Called with ``("stdout" | "stderr", bytes)`` as a command's output arrives.
+OutputCallback = Callable[[str, bytes], None]
 
 
-def _b64_cap(raw: int) -> int:
-    return raw * 2 + 4096
+@dataclass(frozen=True)
+class Capabilities:
+    """
+    What a backend can enforce. The base refuses, before anything is provisioned, a spec that asks
+    for more.
+
+    :param no_network: ``block_network=True`` with no allowlist: no egress at all, DNS included.
+    :param open_network: ``block_network=False``.
+    :param egress_hosts: ``allow_egress_to`` (hostname allowlists).
+    :param egress_cidrs: ``allow_egress_to_cidrs`` (address-range allowlists).
+    :param max_env_bytes: the most bytes of ``spec.env`` (names, values and one ``=`` and NUL each)
+        the backend can pass; None for no limit of its own.
+    :param max_command_seconds: the longest deadline a command can get; longer ones are cut to it.
+    :param advice: a sentence added to every refusal: what a user of this backend can do instead.
+    """
+
+    no_network: bool = True
+    open_network: bool = True
+    egress_hosts: bool = False
+    egress_cidrs: bool = False
+    max_env_bytes: int | None = 128 * 1024
+    max_command_seconds: float | None = None
+    advice: str = ""
+
+
+@dataclass(frozen=True)
+class ProvisionRequest:
+    """
+    What :meth:`SandboxHook.create` hands a backend's ``_provision``.
+
+    :param name: the sandbox's name, ``airflow-sandbox-`` and 12 hex digits; backends whose vendor
+        names sandboxes itself may return another handle.
+    :param spec: the checked spec.
+    :param lifetime: seconds the sandbox may live.
+    :param expires_at: Unix time (seconds) when its lifetime ends.
+    :param workdir: its working directory.
+    :param stamps: the creation stamps to keep with it: expiry, network, workdir, owner (when
+        given) and the task that made it (Dag, run, task, map index, try), all strings.
+    """
+
+    name: str
+    spec: SandboxSpec
+    lifetime: float
+    expires_at: float
+    workdir: str
+    stamps: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """
+    How one command ended, as a backend's ``_run`` reports it; the output went to the sink.
+
+    :param exit_code: the command's status; ignored when ``timed_out``.
+    :param timed_out: the deadline passed and the command was killed.
+    :param sandbox_terminated: the sandbox ended (the backend ended it to stop the command, or it died).
+    :param applied_timeout: the deadline the vendor really applied, in seconds, when it rounds the one
+        it was given (to whole seconds, say); None for exactly the one given.
+    """
+
+    exit_code: int
+    timed_out: bool = False
+    sandbox_terminated: bool = False
+    applied_timeout: float | None = None
+
+
+class OutputSink:
+    """
+    Where a backend's ``_run`` writes a command's output as it arrives.
+
+    It keeps the last ``max_output_bytes`` of each stream (memory stays bounded however much is
+    written) and passes every piece on to ``on_output`` first, for live logs. An exception raised by
+    ``on_output`` is kept and re-raised when the command has ended, so the backend drains to the end.
+
+    :param max_output_bytes: bytes kept per stream.
+    :param on_output: called with ``("stdout" | "stderr", bytes)``; None keeps tails only.
+    :param whole_lines: after a cut, drop the partial first line of a tail too.
+    """
+
+    def __init__(
+        self, max_output_bytes: int, on_output: OutputCallback | None = None, *, whole_lines: bool = False
+    ) -> None:
+        self.out = TailBuffer(max_output_bytes)
+        self.err = TailBuffer(max_output_bytes)
+        self.whole_lines = whole_lines
+        self._on_output = on_output
+        self.callback_error: BaseException | None = None
+
+    def stdout(self, data: bytes | str) -> None:
+        self._write("stdout", self.out, data)
+
+    def stderr(self, data: bytes | str) -> None:
+        self._write("stderr", self.err, data)
+
+    def _write(self, stream: str, buffer: TailBuffer, data: bytes | str) -> None:
+        if isinstance(data, str):
+            data = data.encode("utf-8", "replace")
+        if not data:
+            return
+        buffer.write(data)
+        if self._on_output is not None and self.callback_error is None:
+            try:
+                self._on_output(stream, data)
+            except BaseException as err:  # noqa: BLE001 - raised after the command ends
+                self.callback_error = err
+
+    def result(self, outcome: RunOutcome, applied_timeout: float) -> SandboxExecResult:
+        if self.callback_error is not None:
+            raise self.callback_error
+        return SandboxExecResult(
+            exit_code=int(outcome.exit_code),
+            stdout=self.out.text(whole_lines=self.whole_lines),
+            stderr=self.err.text(whole_lines=self.whole_lines),
+            timed_out=bool(outcome.timed_out),
+            stdout_truncated=self.out.truncated,
+            stderr_truncated=self.err.truncated,
+            sandbox_terminated=bool(outcome.sandbox_terminated),
+            applied_timeout=applied_timeout if outcome.applied_timeout is None else outcome.applied_timeout,
+        )
+
+
+def check_command(command: Any) -> str:
+    """:raises SandboxError: unless ``command`` is a non-empty shell command line without NUL."""
+    if not isinstance(command, str) or not command.strip() or "\0" in command:
+        raise SandboxError(f"{command!r} cannot be run: give a non-empty shell command line without NUL characters.")
+    return command
+
+
+def _check_env_shape(env: Any) -> None:
+    """Refuse an env that bypassed ``SandboxSpec``'s own checks (set with ``object.__setattr__``)."""
+    if env is None:
+        return
+    if not isinstance(env, Mapping):
+        raise SandboxTerminalError(f"SandboxSpec.env must map strings to strings, got {type(env).__name__}.")
+    bad = sorted(str(k) for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str))
+    if bad:
+        raise SandboxTerminalError(
+            f"SandboxSpec.env must map strings to strings; these entries do not: {bad!r}. Convert each value in "
+            "the Dag, e.g. str(port), so the sandbox sees what you meant."
+        )
+
+
+def env_bytes(env: Mapping[str, str] | None) -> int:
+    """The bytes ``env`` takes in a process's environment block: ``NAME=value`` and a NUL each."""
+    return sum(len(k.encode()) + len(v.encode()) + 2 for k, v in (env or {}).items())
 
 
 class SandboxHook(BaseHook):
@@ -69,14 +216,11 @@ class SandboxHook(BaseHook):
 
     - The constructor is cheap: it runs when a Dag file is parsed, so it stores arguments and
       checks them, and resolves connections and clients lazily, on first use.
-    - ``create`` refuses, with :class:`SandboxTerminalError`, any spec field it cannot enforce. It
-      never provisions something weaker than asked.
+    - ``create`` refuses, with :class:`SandboxTerminalError`, any spec field the backend cannot
+      enforce (``capabilities``), before anything is provisioned. It never provisions something weaker.
     - ``destroy`` is idempotent.
     - :class:`SandboxTerminalError` for what no caller can fix (credentials, a sandbox that is
       gone); :class:`SandboxError` for what they can.
-
-    The file methods here work over ``run_command`` with ``sh``, ``stat``, ``head``, ``tail``,
-    ``find`` and ``base64`` in the guest. Backends with a native file API override them.
     """
 
     conn_name_attr = "sandbox_conn_id"
@@ -86,182 +230,233 @@ class SandboxHook(BaseHook):
 
     #: Short backend name, used in messages and tool ids (``"local"``, ``"docker"``).
     name: ClassVar[str] = "sandbox"
+    #: The backend's name in sentences (``"Docker"``).
+    display_name: ClassVar[str] = "sandbox"
+    #: What the backend can enforce; see :class:`Capabilities`.
+    capabilities: ClassVar[Capabilities] = Capabilities()
+    #: Every handle of this backend matches this pattern in full; checked before any call.
+    handle_pattern: ClassVar[re.Pattern[str]] = NAMED_HANDLE
+    #: What a handle looks like, and an example, for error messages.
+    handle_shape: ClassVar[str] = (
+        f"{SANDBOX_NAME_PREFIX!r} followed by letters, digits, '.', '_' or '-' (no '/' and no spaces)"
+    )
+    handle_example: ClassVar[str] = SANDBOX_NAME_PREFIX + "0123456789ab"
+    #: The backend's settings: hook arguments over connection extras over defaults, and the form.
+    settings: ClassVar[SettingsTable] = SettingsTable()
+    #: The connection form's standard fields (hidden, relabelled, placeholders).
+    ui_behaviour: ClassVar[Mapping[str, Any]] = {}
     #: Whether another task can find this backend's sandboxes by handle (``attach``/``release``).
     attachable: ClassVar[bool] = False
 
     workdir: str = DEFAULT_WORKDIR
 
+    #: The backend's connection form (``hooks/forms/<backend>.py``); it sets ``conn_type``,
+    #: ``hook_name``, ``conn_name_attr``, ``default_conn_name``, ``settings`` and ``ui_behaviour``.
+    form: ClassVar[ConnectionForm | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        form = cls.__dict__.get("form")
+        if form is not None:
+            cls.conn_type = form.conn_type
+            cls.hook_name = form.hook_name
+            cls.conn_name_attr = form.conn_name_attr
+            cls.default_conn_name = form.default_conn_name
+            cls.settings = form.settings
+            cls.ui_behaviour = form.ui_behaviour
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        #: Expiry times (Unix seconds) this hook learnt, by handle, to clamp deadlines without asking again.
+        self._known_expiry: dict[str, float] = {}
 
-    # -- the contract ----------------------------------------------------------------------------------
+    # -- what a backend implements -------------------------------------------------------------------
 
     @abstractmethod
+    def _provision(self, request: ProvisionRequest) -> str:
+        """Make the sandbox ``request`` describes, ready for commands; return its handle."""
+
+    @abstractmethod
+    def _run(self, handle: str, command: str, *, timeout: float, output: OutputSink) -> RunOutcome:
+        """
+        Run ``command`` with ``sh -c`` in the workdir, writing output to ``output`` as it arrives,
+        killing everything it started after ``timeout`` seconds (already clamped).
+
+        :raises SandboxTerminalError: if the sandbox is gone.
+        """
+
+    @abstractmethod
+    def _destroy(self, handle: str) -> None:
+        """Remove the sandbox and everything in it; a sandbox that is gone is not an error."""
+
+    def _refusal(self, spec: SandboxSpec) -> str | None:
+        """A backend-specific reason to refuse ``spec``, phrased as what to change; None to accept."""
+        return None
+
+    def _remaining_lifetime(self, handle: str) -> float | None:
+        """Seconds the sandbox has left, or None when unknown. Default: what this hook learnt at create."""
+        expires = self._known_expiry.get(handle)
+        return None if expires is None else expires - time.time()
+
+    def _lifetime_seconds(self) -> float:
+        """The lifetime of a new sandbox, in seconds: the ``sandbox_timeout`` setting by default."""
+        value = self._resolved().get("sandbox_timeout")
+        return float(value) if value else 3600.0
+
+    def _resolved(self) -> Mapping[str, Any]:
+        """The backend's resolved settings; backends with a connection override this."""
+        return {}
+
+    # -- the template --------------------------------------------------------------------------------
+
+    def check_spec(self, spec: SandboxSpec | None) -> SandboxSpec:
+        """
+        Return ``spec`` (``SandboxSpec()`` for None) if this backend can enforce all of it.
+
+        Nothing is contacted: call it before provisioning anything, even at parse time.
+
+        :raises SandboxTerminalError: naming what it cannot enforce and what to change.
+        """
+        spec = SandboxSpec() if spec is None else spec
+        if not isinstance(spec, SandboxSpec):
+            raise ValueError(f"spec must be a SandboxSpec, got {type(spec).__name__}.")
+        _check_env_shape(spec.env)
+        caps = self.capabilities
+        missing: list[str] = []
+        if not spec.block_network and not caps.open_network:
+            missing.append("an open network (block_network=False)")
+        if spec.block_network and not spec.has_allowlist and not caps.no_network:
+            missing.append("a blocked network (block_network=True)")
+        if spec.allow_egress_to and not caps.egress_hosts:
+            missing.append("an egress allowlist of hostnames (allow_egress_to)")
+        if spec.allow_egress_to_cidrs and not caps.egress_cidrs:
+            missing.append("an egress allowlist of address ranges (allow_egress_to_cidrs)")
+        if spec.owner and not self.attachable:
+            missing.append("an owner for later tasks to attach (owner), since its sandboxes cannot be attached")
+        if missing:
+            advice = caps.advice or "Drop those fields, or use a backend that enforces them (see the README)."
+            raise SandboxTerminalError(
+                f"The {self.display_name} backend cannot enforce {' or '.join(missing)}, and it does not provision "
+                f"a sandbox weaker than asked. {advice}"
+            )
+        size = env_bytes(spec.env)
+        if caps.max_env_bytes is not None and size > caps.max_env_bytes:
+            raise SandboxTerminalError(
+                f"SandboxSpec.env holds {size} bytes, more than the {self.display_name} backend can pass "
+                f"({caps.max_env_bytes} bytes). Stage large values as files (files= or inputs=) and read them there."
+            )
+        reason = self._refusal(spec)
+        if reason:
+            raise SandboxTerminalError(reason)
+        return spec
+
     def create(self, *, spec: SandboxSpec | None = None) -> str:
         """
         Provision a sandbox and return its handle.
 
-        :param spec: what the sandbox must be; None states no requirement beyond the backend's defaults.
-        :raises SandboxTerminalError: if the spec asks for something this backend cannot enforce,
-            or provisioning fails.
+        :param spec: what the sandbox must be; None means ``SandboxSpec()`` (no network, no env).
+        :raises SandboxTerminalError: if the spec asks for something this backend cannot enforce
+            (before anything is provisioned), or provisioning fails.
         """
+        spec = self.check_spec(spec)
+        lifetime = float(self._lifetime_seconds())
+        expires_at = time.time() + lifetime
+        stamps = {
+            EXPIRES_AT_TAG: str(int(expires_at)),
+            NETWORK_TAG: encode_network_policy(spec),
+            WORKDIR_TAG: self.workdir,
+            **trace_stamps(),
+        }
+        if spec.owner:
+            stamps[OWNER_TAG] = spec.owner
+        request = ProvisionRequest(
+            name=new_sandbox_name(),
+            spec=spec,
+            lifetime=lifetime,
+            expires_at=expires_at,
+            workdir=self.workdir,
+            stamps=stamps,
+        )
+        handle = self._provision(request)
+        self._known_expiry[handle] = expires_at
+        return handle
 
-    @abstractmethod
-    def run_command(self, handle: str, command: str, *, timeout: float, max_output_bytes: int) -> SandboxExecResult:
+    def check_handle(self, handle: Any) -> str:
+        """
+        Return ``handle`` if it can name a sandbox of this backend.
+
+        :raises SandboxHandleError: (a ``ValueError`` and a ``SandboxTerminalError``) otherwise.
+        """
+        check_handle(handle)
+        if not self.handle_pattern.fullmatch(handle) or handle in (".", ".."):
+            raise SandboxHandleError(
+                f"{handle!r} is not a {self.display_name} sandbox handle. Pass the string create() returned: "
+                f"{self.handle_shape}, such as {self.handle_example!r}."
+            )
+        return handle
+
+    def run_command(
+        self,
+        handle: str,
+        command: str,
+        *,
+        timeout: float,
+        max_output_bytes: int,
+        on_output: OutputCallback | None = None,
+    ) -> SandboxExecResult:
         """
         Run ``command`` through ``sh -c`` in the sandbox's working directory.
 
-        :param timeout: seconds before the command's whole process tree is killed.
+        :param timeout: seconds before the command's whole process tree is killed; cut to the
+            sandbox's remaining lifetime when that is shorter (``applied_timeout`` says what applied).
         :param max_output_bytes: bytes kept per stream (the tail), applied while reading.
+        :param on_output: called with ``("stdout" | "stderr", bytes)`` as output arrives, for live logs.
+        :raises SandboxError: for an empty command or one holding NUL.
         :raises SandboxTerminalError: if the sandbox is gone or past its lifetime.
         """
+        handle = self.check_handle(handle)
+        check_positive(timeout, "timeout")
+        check_byte_count(max_output_bytes, "max_output_bytes")
+        check_command(command)
+        budget = self._deadline(handle, float(timeout))
+        sink = OutputSink(int(max_output_bytes), on_output)
+        outcome = self._run(handle, command, timeout=budget, output=sink)
+        if outcome.sandbox_terminated:
+            self._known_expiry.pop(handle, None)
+        return sink.result(outcome, budget)
 
-    @abstractmethod
+    def _deadline(self, handle: str, timeout: float) -> float:
+        """``timeout`` cut to the backend's longest deadline and to the lifetime the sandbox has left."""
+        cap = self.capabilities.max_command_seconds
+        if cap is not None:
+            timeout = min(timeout, cap)
+        left = self._remaining_lifetime(handle)
+        if left is None or left >= timeout:
+            return timeout
+        if left <= 0:
+            raise SandboxTerminalError(
+                f"Sandbox {handle} has reached the end of its lifetime; provision a new one, or give the backend a "
+                "longer sandbox_timeout."
+            )
+        return max(MIN_COMMAND_SECONDS, left)
+
     def destroy(self, handle: str) -> None:
         """Remove the sandbox and everything in it. Destroying a sandbox that is gone is not an error."""
+        handle = self.check_handle(handle)
+        self._destroy(handle)
+        self._known_expiry.pop(handle, None)
 
-    # -- tags, for attachable backends -----------------------------------------------------------------
+    # -- files: native, or ShellFiles ----------------------------------------------------------------
 
-    def read_tags(self, handle: str) -> Mapping[str, str]:
-        """Return the sandbox's stamps. :raises SandboxTerminalError: if the sandbox is missing or ended."""
-        raise SandboxTerminalError(f"Backend {self.name!r} cannot attach to sandboxes provisioned by another task.")
-
-    def write_tags(self, handle: str, tags: Mapping[str, str]) -> None:
-        """Replace the sandbox's stamps with ``tags``."""
-        raise SandboxTerminalError(f"Backend {self.name!r} cannot attach to sandboxes provisioned by another task.")
-
-    def attach(self, handle: str, *, owner: str, holder: str) -> AttachedSandbox:
-        """
-        Claim a sandbox another task provisioned.
-
-        The owner stamp must equal ``owner``; the holder stamp must be empty or ``holder`` already (a
-        retry of the same task is the same holder). The claim writes the holder and reads it back:
-        that catches mistakes made one after another, not two tasks racing, and anyone holding the
-        backend's credentials can rewrite the stamps. It is attribution, not a lock.
-
-        :raises SandboxTerminalError: on a wrong owner, another holder, or a sandbox that is gone.
-        """
-        check_handle(handle)
-        tags = dict(self.read_tags(handle))
-        found = tags.get(OWNER_TAG)
-        if found != owner:
-            carries = f"it carries owner {found!r}" if found else "it carries no owner"
-            raise SandboxTerminalError(
-                f"Sandbox {handle!r} on backend {self.name!r} is not owned by {owner!r}: {carries}. Provision it "
-                "with SandboxSpec(owner=dag_run_owner(context)) in the same Dag run, or pass the owner it was "
-                "provisioned under."
-            )
-        current = tags.get(HOLDER_TAG)
-        if current and current != holder:
-            raise SandboxTerminalError(
-                f"Sandbox {handle!r} is held by {current!r}; one task uses a sandbox at a time. Run the tasks "
-                "one after another, or provision a sandbox for each."
-            )
-        if current != holder:
-            self.write_tags(handle, {**tags, HOLDER_TAG: holder})
-            tags = dict(self.read_tags(handle))
-            if tags.get(HOLDER_TAG) != holder:
-                raise SandboxTerminalError(
-                    f"Sandbox {handle!r} was claimed by {tags.get(HOLDER_TAG)!r} while {holder!r} was attaching. "
-                    "Two tasks asked for it at once; provision one sandbox per task."
-                )
-        remaining: float | None = None
-        try:
-            remaining = max(0.0, float(tags[EXPIRES_AT_TAG]) - time.time())
-        except (KeyError, ValueError):
-            remaining = None
-        network: SandboxSpec | None = None
-        if NETWORK_TAG in tags:
-            try:
-                network = decode_network_policy(tags[NETWORK_TAG])
-            except ValueError:
-                log.warning("Sandbox %s carries a network stamp that cannot be read: %r", handle, tags[NETWORK_TAG])
-        return AttachedSandbox(
-            handle=handle, remaining_lifetime=remaining, network=network, workdir=tags.get(WORKDIR_TAG), tags=tags
-        )
-
-    def release(self, handle: str, *, holder: str) -> None:
-        """Clear the holder stamp if it is ``holder``'s. Never destroys; releasing twice is fine."""
-        tags = dict(self.read_tags(handle))
-        if tags.get(HOLDER_TAG) == holder:
-            tags.pop(HOLDER_TAG)
-            self.write_tags(handle, tags)
-
-    # -- files over the shell --------------------------------------------------------------------------
-
-    def _shell(self, handle: str, script: str, *, max_output_bytes: int, timeout: float = FILE_OP_TIMEOUT):
-        return self.run_command(handle, script, timeout=timeout, max_output_bytes=max_output_bytes)
-
-    @staticmethod
-    def _file_status_error(code: int, path: str) -> SandboxError | None:
-        """The error a :meth:`_checks` exit status stands for (too large excepted), or None."""
-        if code == _MISSING:
-            return SandboxError(f"{path!r} does not exist in the sandbox, or cannot be read.")
-        if code == _IS_DIR:
-            return SandboxError(f"{path!r} is a directory; list it with list_directory.")
-        if code == _NOT_REGULAR:
-            return SandboxError(f"{path!r} is not a regular file.")
-        return None
-
-    @classmethod
-    def _fail(cls, result: SandboxExecResult, path: str, verb: str) -> SandboxError:
-        if result.sandbox_terminated:
-            return SandboxTerminalError(f"The sandbox ended while {verb} {path!r}.")
-        if result.timed_out:
-            return SandboxError(f"Timed out while {verb} {path!r}.")
-        known = cls._file_status_error(result.exit_code, path)
-        if known is not None:
-            return known
-        detail = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit status {result.exit_code}"
-        return SandboxError(f"Could not finish {verb} {path!r}: {detail}")
-
-    @staticmethod
-    def _checks(path: str, max_bytes: int | None) -> str:
-        """
-        Shell that exits with a reserved status unless ``path`` is a readable regular file of at
-        most ``max_bytes``, and prints its size to stderr for :meth:`_reported_size`; continue it
-        with the copy.
-        """
-        q = shlex.quote(path)
-        script = (
-            f"[ -e {q} ] && [ -r {q} ] || exit {_MISSING}; [ -d {q} ] && exit {_IS_DIR}; "
-            f"[ -f {q} ] || exit {_NOT_REGULAR}; s=$(stat -Lc %s -- {q}) || exit {_MISSING}; "
-            f"echo {_SIZE_MARK}$s >&2; "
-        )
-        if max_bytes is not None:
-            script += f'[ "$s" -gt {int(max_bytes)} ] && exit {_TOO_LARGE}; '
-        return script
-
-    @staticmethod
-    def _reported_size(stderr: str) -> int | None:
-        """The size :meth:`_checks` printed to ``stderr`` (the last one, past any other noise)."""
-        found = re.findall(rf"{_SIZE_MARK}(\d+)", stderr)
-        return int(found[-1]) if found else None
-
+    @abstractmethod
     def read_file(self, handle: str, path: str, *, max_bytes: int) -> bytes:
         """
         Return the bytes of the regular file at ``path`` (relative paths resolve in the workdir).
 
-        :param max_bytes: the most bytes to transfer; the cap is enforced inside the sandbox.
+        :param max_bytes: the most bytes to transfer; checked before or while copying.
         :raises SandboxFileTooLargeError: if the file holds more than ``max_bytes``.
         :raises SandboxError: if it is missing, a directory or not a regular file.
         """
-        check_byte_count(max_bytes, "max_bytes")
-        q = shlex.quote(check_path(path))
-        script = self._checks(path, max_bytes) + f"head -c {int(max_bytes) + 1} -- {q} | base64"
-        result = self._shell(handle, script, max_output_bytes=_b64_cap(int(max_bytes)))
-        size = self._reported_size(result.stderr)
-        if result.exit_code == _TOO_LARGE:
-            raise SandboxFileTooLargeError(path, size or max_bytes + 1, max_bytes)
-        if not result.ok:
-            raise self._fail(result, path, "reading")
-        try:
-            data = base64.b64decode(result.stdout, validate=False)
-        except (binascii.Error, ValueError) as err:
-            raise SandboxError(f"Could not decode {path!r} from the sandbox.") from err
-        if len(data) > max_bytes:
-            raise SandboxFileTooLargeError(path, len(data), max_bytes)
-        return data
 
     def write_file(self, handle: str, path: str, data: bytes) -> None:
         """
@@ -269,114 +464,59 @@ class SandboxHook(BaseHook):
 
         :raises SandboxError: if the path cannot be written (a directory there, say).
         """
+        import io
+
         if isinstance(data, str):
             data = data.encode()
         self.import_file(handle, path, io.BytesIO(data))
 
+    @abstractmethod
     def import_file(self, handle: str, path: str, source: IO[bytes]) -> int:
-        """
-        Stream ``source`` into the file at ``path`` in bounded memory; return the bytes written.
+        """Stream ``source`` into the file at ``path`` in bounded memory; return the bytes written."""
 
-        The default appends base64 pieces through the shell; backends with a file API override it.
-        """
-        q = shlex.quote(check_path(path))
-        first = True
-        total = 0
-        while True:
-            chunk = source.read(SHELL_WRITE_CHUNK_BYTES)
-            if not chunk and not first:
-                break
-            encoded = base64.b64encode(chunk or b"").decode()
-            redirect = ">" if first else ">>"
-            prefix = f'mkdir -p -- "$(dirname -- {q})" && ' if first else ""
-            script = f"{prefix}printf %s {shlex.quote(encoded)} | base64 -d {redirect} {q}"
-            result = self._shell(handle, script, max_output_bytes=64 * 1024)
-            if not result.ok:
-                raise self._fail(result, path, "writing")
-            total += len(chunk)
-            first = False
-            if not chunk:
-                break
-        return total
-
-    def list_directory(self, handle: str, path: str = ".") -> list[tuple[str, bool]]:
-        """
-        List the entries of the directory at ``path`` as ``(name, is_directory)`` pairs, sorted by name.
-
-        :raises SandboxError: if ``path`` is missing or not a directory, or holds more entries than
-            fit in 16 MiB of names (list part of it with a command such as ``find`` instead).
-        """
-        q = shlex.quote(check_path(path))
-        script = f"[ -d {q} ] || exit {_MISSING}; find {q} -mindepth 1 -maxdepth 1 -printf '%y %f\\0'"
-        result = self._shell(handle, script, max_output_bytes=LIST_OUTPUT_BYTES)
-        if not result.ok:
-            if result.exit_code == _MISSING:
-                raise SandboxError(f"{path!r} is not a directory in the sandbox.")
-            raise self._fail(result, path, "listing")
-        if result.stdout_truncated:
-            raise SandboxError(
-                f"{path!r} holds more entries than one listing returns ({LIST_OUTPUT_BYTES} bytes of names); list "
-                "part of it with a command such as find or ls piped to head."
-            )
-        entries = []
-        for item in result.stdout.split("\0"):
-            if len(item) >= 3:
-                entries.append((item[2:], item[0] == "d"))
-        return sorted(entries)
-
+    @abstractmethod
     def export_file(self, handle: str, path: str, stream: IO[bytes], *, max_bytes: int) -> int:
         """
         Copy the regular file at ``path`` into the writable binary ``stream``; return the bytes copied.
-
-        Memory stays bounded by one piece (4 MiB here) however large the file is.
 
         :raises SandboxFileTooLargeError: if the file holds more than ``max_bytes``.
         :raises SandboxError: if it is missing, not a regular file, or changed while it was copied.
         :raises SandboxTerminalError: if the sandbox ended during the copy.
         """
-        check_byte_count(max_bytes, "max_bytes")
-        check_path(path)
-        result = self._shell(handle, self._checks(path, max_bytes) + "true", max_output_bytes=64 * 1024)
-        size = self._reported_size(result.stderr)
-        if result.exit_code == _TOO_LARGE:
-            raise SandboxFileTooLargeError(path, size or max_bytes + 1, max_bytes)
-        if not result.ok:
-            raise self._fail(result, path, "exporting")
-        if size is None:
-            raise SandboxError("The sandbox did not report the size of the file being exported.")
-        q = shlex.quote(path)
-        copied = 0
-        while True:
-            script = f"tail -c +{copied + 1} -- {q} | head -c {SHELL_CHUNK_BYTES} | base64"
-            piece = self._shell(handle, script, max_output_bytes=_b64_cap(SHELL_CHUNK_BYTES))
-            if piece.sandbox_terminated:
-                raise SandboxTerminalError(f"The sandbox ended while {path!r} was being exported.")
-            if not piece.ok or piece.stdout_truncated:
-                raise self._fail(piece, path, "exporting")
-            try:
-                data = base64.b64decode(piece.stdout)
-            except (binascii.Error, ValueError) as err:
-                raise SandboxError(f"Could not decode {path!r} from the sandbox.") from err
-            copied += len(data)
-            if copied > max_bytes:
-                raise SandboxFileTooLargeError(path, copied, max_bytes)
-            stream.write(data)
-            if len(data) < SHELL_CHUNK_BYTES:
-                break
-        check_export_size(path, size, copied)
-        return copied
 
-    # -- connections -----------------------------------------------------------------------------------
+    @abstractmethod
+    def list_directory(self, handle: str, path: str = ".") -> list[tuple[str, bool]]:
+        """
+        List the entries of the directory at ``path`` as ``(name, is_directory)`` pairs, sorted by name.
+
+        :raises SandboxError: if ``path`` is missing or not a directory, or holds more entries than one
+            listing returns.
+        """
+
+    # -- attach: see sandbox.attach.Attachable -------------------------------------------------------
+
+    def attach(self, handle: str, *, owner: str, holder: str) -> Any:
+        """:raises SandboxTerminalError: this backend's sandboxes cannot be attached."""
+        raise SandboxTerminalError(
+            f"The {self.display_name} backend cannot attach to sandboxes provisioned by another task; provision one "
+            "in this task instead, or use an attachable backend (local, Docker, Modal)."
+        )
+
+    def release(self, handle: str, *, holder: str) -> None:
+        """Nothing to release on a backend that cannot attach."""
+
+    # -- connections ---------------------------------------------------------------------------------
 
     def test_connection(self) -> tuple[bool, str]:
         """Provision a sandbox, run a command in it and destroy it; return ``(ok, message)``."""
         handle = None
+        where = self._test_where()
         try:
             handle = self.create(spec=SandboxSpec())
             result = self.run_command(handle, "echo sandbox-ok", timeout=60, max_output_bytes=4096)
             if result.ok and "sandbox-ok" in result.stdout:
-                return True, f"Ran a command in sandbox {handle} on backend {self.name!r}."
-            return False, f"A test command failed on backend {self.name!r}: {result.stderr.strip()[-500:]}"
+                return True, f"Ran a command in sandbox {handle} on the {self.display_name} backend{where}."
+            return False, f"A test command failed on the {self.display_name} backend{where}: {result.stderr[-500:]}"
         except Exception as err:  # test_connection must report, never raise
             return False, f"{type(err).__name__}: {err}"
         finally:
@@ -386,11 +526,10 @@ class SandboxHook(BaseHook):
                 except Exception:
                     log.warning("Could not destroy test sandbox %s", handle, exc_info=True)
 
+    def _test_where(self) -> str:
+        """Words for where a connection test ran, such as ``" (connection 'x', from the API server)"``."""
+        return ""
 
-def check_export_size(path: str, expected: int, copied: int) -> None:
-    """:raises SandboxError: when the bytes copied differ from the size reported before the copy."""
-    if copied != expected:
-        raise SandboxError(
-            f"{path!r} changed while it was exported: it held {expected} bytes when the export began and "
-            f"{copied} bytes were copied. Something in the sandbox may still be writing it."
-        )
+
+#: The contract's base class under the name the public guide uses.
+SandboxBackend = SandboxHook

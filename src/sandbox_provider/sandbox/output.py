@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 __all__ = [
     "TailBuffer",
@@ -68,21 +68,21 @@ class TailBuffer:
 
 class StreamDrain(threading.Thread):
     """
-    A daemon thread that reads an iterable of chunks (bytes, or text encoded as UTF-8) to its end
-    into a :class:`TailBuffer`. An exception from the stream ends the thread and is kept in ``error``
+    A daemon thread that reads an iterable of chunks (bytes, or text encoded as UTF-8) to its end,
+    handing each to ``write``. An exception from the stream ends the thread and is kept in ``error``
     for the caller to judge.
     """
 
-    def __init__(self, chunks: Iterable[bytes | str], sink: TailBuffer) -> None:
+    def __init__(self, chunks: Iterable[bytes | str], write: Callable[[bytes], None]) -> None:
         super().__init__(daemon=True, name="sandbox-output")
         self._chunks = chunks
-        self.sink = sink
+        self._write = write
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
             for chunk in self._chunks:
-                self.sink.write(chunk.encode() if isinstance(chunk, str) else chunk)
+                self._write(chunk.encode() if isinstance(chunk, str) else chunk)
         except BaseException as err:  # noqa: BLE001 - handed to the caller, which decides
             self.error = err
 

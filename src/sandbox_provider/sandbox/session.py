@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
-from sandbox_provider.sandbox.hook import SandboxHook
+from sandbox_provider.sandbox.hook import OutputCallback, SandboxHook, check_command
 from sandbox_provider.sandbox.spec import (
     AttachedSandbox,
     SandboxExecResult,
@@ -265,28 +265,26 @@ class SandboxSession:
             return None
         return max(0.0, self._expires_at - self._clock())
 
-    def run(self, command: str, *, timeout: float, max_output_bytes: int) -> SandboxExecResult:
+    def run(
+        self, command: str, *, timeout: float, max_output_bytes: int, on_output: OutputCallback | None = None
+    ) -> SandboxExecResult:
         """
         Run ``command`` in the sandbox (provisioning it first if needed).
 
-        For an attached sandbox the timeout is clamped to the lifetime it has left.
+        The backend clamps the timeout to the lifetime the sandbox has left.
+
+        :param on_output: called with ``("stdout" | "stderr", bytes)`` as output arrives.
 
         :raises SandboxTerminalError: if the sandbox ended, or an attached one stopped mid-command.
         """
+        # Checked here too, before the first command provisions the sandbox.
         check_positive(timeout, "timeout")
         check_byte_count(max_output_bytes, "max_output_bytes")
-        if not isinstance(command, str) or not command.strip() or "\0" in command:
-            raise SandboxError(f"{command!r} cannot be run: give a non-empty command line without NUL characters.")
+        check_command(command)
         handle = self.ensure()
-        budget = float(timeout)
-        left = self.remaining_lifetime()
-        if left is not None:
-            if left <= 0:
-                raise SandboxTerminalError(f"Sandbox {handle} has reached the end of its lifetime.")
-            budget = min(budget, max(1.0, left))
-        result = self.hook.run_command(handle, command, timeout=budget, max_output_bytes=int(max_output_bytes))
-        if budget < timeout and result.applied_timeout is None:
-            result = _with_applied_timeout(result, budget)
+        result = self.hook.run_command(
+            handle, command, timeout=float(timeout), max_output_bytes=int(max_output_bytes), on_output=on_output
+        )
         if result.sandbox_terminated:
             with self._lock:
                 self._handle = None
@@ -400,9 +398,3 @@ class SandboxSession:
 
     async def alist_directory(self, path: str = ".") -> list[tuple[str, bool]]:
         return await asyncio.to_thread(self.list_directory, path)
-
-
-def _with_applied_timeout(result: SandboxExecResult, budget: float) -> SandboxExecResult:
-    from dataclasses import replace
-
-    return replace(result, applied_timeout=budget)

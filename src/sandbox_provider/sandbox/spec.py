@@ -29,6 +29,7 @@ __all__ = [
     "check_positive",
     "check_workdir",
     "dag_run_owner",
+    "trace_stamps",
     "decode_network_policy",
     "encode_network_policy",
     "is_sandbox_handle",
@@ -42,6 +43,13 @@ HOLDER_TAG = "airflow_holder"
 EXPIRES_AT_TAG = "airflow_expires_at"
 NETWORK_TAG = "airflow_network"
 WORKDIR_TAG = "airflow_workdir"
+#: Stamps naming the task instance that provisioned a sandbox, to trace and clean up leftovers.
+DAG_ID_TAG = "airflow_dag_id"
+RUN_ID_TAG = "airflow_run_id"
+TASK_ID_TAG = "airflow_task_id"
+MAP_INDEX_TAG = "airflow_map_index"
+TRY_NUMBER_TAG = "airflow_try_number"
+TRACE_TAGS = (DAG_ID_TAG, RUN_ID_TAG, TASK_ID_TAG, MAP_INDEX_TAG, TRY_NUMBER_TAG)
 
 SANDBOX_NAME_PREFIX = "airflow-sandbox-"
 DEFAULT_WORKDIR = "/workspace"
@@ -187,10 +195,13 @@ def check_handle(handle: object) -> str:
     """
     Return ``handle`` if it can name a sandbox.
 
-    :raises ValueError: for an empty string, ``None`` or ``"None"`` (a missing XCom), or a non-string.
+    :raises SandboxHandleError: (a ``ValueError``) for an empty string, ``None`` or ``"None"`` (a
+        missing XCom), or a non-string.
     """
+    from sandbox_provider.sandbox.errors import SandboxHandleError
+
     if not is_sandbox_handle(handle):
-        raise ValueError(
+        raise SandboxHandleError(
             f"{handle!r} is not a sandbox handle. Pass the string that create() returned; when it comes "
             "from XCom, check that the provisioning task ran first and returned it."
         )
@@ -243,6 +254,33 @@ def check_path(path: Any) -> str:
     if not isinstance(path, str) or not path.strip() or "\0" in path:
         raise SandboxError(f"{path!r} is not a usable path: give a non-empty string without NUL characters.")
     return path
+
+
+def trace_stamps(context: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """
+    The stamps naming the running task instance: Dag, run, task, map index and try number.
+
+    :param context: the task context; None looks up the current one, and outside a task (a hook
+        used from a script) there is none, and the result is empty.
+    """
+    if context is None:
+        try:
+            from airflow.sdk import get_current_context
+
+            context = get_current_context()
+        except Exception:
+            return {}
+    ti = context.get("ti") if isinstance(context, Mapping) else None
+    if ti is None:
+        return {}
+    values = {
+        DAG_ID_TAG: getattr(ti, "dag_id", None),
+        RUN_ID_TAG: getattr(ti, "run_id", None),
+        TASK_ID_TAG: getattr(ti, "task_id", None),
+        MAP_INDEX_TAG: getattr(ti, "map_index", None),
+        TRY_NUMBER_TAG: getattr(ti, "try_number", None),
+    }
+    return {key: str(value) for key, value in values.items() if value is not None}
 
 
 def dag_run_owner(context: Mapping[str, Any]) -> str:

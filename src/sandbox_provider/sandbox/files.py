@@ -1,0 +1,196 @@
+"""
+File operations over the shell, for backends whose vendor has no file API, and the checks every
+backend's file operations share.
+
+:class:`ShellFiles` runs the guest programs ``file.sh``, ``write.sh`` and ``list.sh`` through the
+backend's own ``run_command``, so a path resolves the way the sandbox sees it. Bytes cross the
+command line as base64 in bounded pieces.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from typing import IO
+
+from sandbox_provider.sandbox import guest
+from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
+from sandbox_provider.sandbox.hook import FILE_OP_TIMEOUT
+from sandbox_provider.sandbox.spec import SandboxExecResult, check_byte_count, check_path
+
+__all__ = [
+    "LIST_OUTPUT_BYTES",
+    "ShellFiles",
+    "check_export_size",
+    "file_failure",
+    "file_status_error",
+    "parse_listing",
+    "reported_size",
+]
+
+#: Raw bytes moved per shell command when exporting.
+SHELL_CHUNK_BYTES = 4 * 1024 * 1024
+#: Raw bytes per write command: a command line holds at most 128 KiB in one argument on Linux.
+SHELL_WRITE_CHUNK_BYTES = 48 * 1024
+#: The most bytes of names one ``list_directory`` returns.
+LIST_OUTPUT_BYTES = 16 * 1024 * 1024
+
+
+def _b64_cap(raw: int) -> int:
+    return raw * 2 + 4096
+
+
+def file_status_error(code: int, path: str) -> SandboxError | None:
+    """The error a ``file.sh`` exit status stands for (too large excepted), or None."""
+    if code == guest.MISSING_STATUS:
+        return SandboxError(f"{path!r} does not exist in the sandbox, or cannot be read.")
+    if code == guest.IS_DIR_STATUS:
+        return SandboxError(f"{path!r} is a directory; list it with list_directory.")
+    if code == guest.NOT_REGULAR_STATUS:
+        return SandboxError(f"{path!r} is not a regular file.")
+    return None
+
+
+def file_failure(result: SandboxExecResult, path: str, verb: str) -> SandboxError:
+    """The error for a file operation whose command failed: ended sandbox, timeout, status, or stderr."""
+    if result.sandbox_terminated:
+        return SandboxTerminalError(f"The sandbox ended while {verb} {path!r}.")
+    if result.timed_out:
+        return SandboxError(f"Timed out while {verb} {path!r}.")
+    known = file_status_error(result.exit_code, path)
+    if known is not None:
+        return known
+    detail = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else f"exit status {result.exit_code}"
+    return SandboxError(f"Could not finish {verb} {path!r}: {detail}")
+
+
+def reported_size(stderr: str) -> int | None:
+    """The size ``file.sh`` printed to ``stderr`` (the last one, past any other noise)."""
+    found = re.findall(rf"{guest.SIZE_MARK}(\d+)", stderr)
+    return int(found[-1]) if found else None
+
+
+def check_export_size(path: str, expected: int, copied: int) -> None:
+    """:raises SandboxError: when the bytes copied differ from the size reported before the copy."""
+    if copied != expected:
+        raise SandboxError(
+            f"{path!r} changed while it was exported: it held {expected} bytes when the export began and "
+            f"{copied} bytes were copied. Something in the sandbox may still be writing it."
+        )
+
+
+def parse_listing(path: str, result: SandboxExecResult) -> list[tuple[str, bool]]:
+    """Turn the output of ``list.sh`` into sorted ``(name, is_directory)`` pairs, or raise what failed."""
+    if not result.ok:
+        if result.exit_code == guest.MISSING_STATUS:
+            raise SandboxError(f"{path!r} is not a directory in the sandbox.")
+        raise file_failure(result, path, "listing")
+    if result.stdout_truncated:
+        raise SandboxError(
+            f"{path!r} holds more entries than one listing returns ({LIST_OUTPUT_BYTES} bytes of names); list "
+            "part of it with a command such as find or ls piped to head."
+        )
+    entries = [(item[2:], item[0] == "d") for item in result.stdout.split("\0") if len(item) >= 3]
+    return sorted(entries)
+
+
+class ShellFiles:
+    """
+    Mixin: file operations over the backend's ``run_command`` and the shell guest programs.
+
+    Needs ``sh``, ``stat``, ``head``, ``tail``, ``find``, ``mktemp`` and ``base64`` in the guest. Put it
+    before :class:`~sandbox_provider.sandbox.hook.SandboxHook` in the bases.
+    """
+
+    def _shell(self, handle: str, script: str, *, max_output_bytes: int, timeout: float = FILE_OP_TIMEOUT):
+        return self.run_command(handle, script, timeout=timeout, max_output_bytes=max_output_bytes)  # type: ignore[attr-defined]
+
+    def read_file(self, handle: str, path: str, *, max_bytes: int) -> bytes:
+        """See :meth:`SandboxHook.read_file`; the size cap is enforced inside the sandbox."""
+        check_byte_count(max_bytes, "max_bytes")
+        check_path(path)
+        script = guest.shell_command("file.sh", path, int(max_bytes), "base64")
+        result = self._shell(handle, script, max_output_bytes=_b64_cap(int(max_bytes)))
+        size = reported_size(result.stderr)
+        if result.exit_code == guest.TOO_LARGE_STATUS:
+            raise SandboxFileTooLargeError(path, size or max_bytes + 1, max_bytes)
+        if not result.ok:
+            raise file_failure(result, path, "reading")
+        data = _decode(result.stdout, path)
+        if len(data) > max_bytes:
+            raise SandboxFileTooLargeError(path, len(data), max_bytes)
+        return data
+
+    def import_file(self, handle: str, path: str, source: IO[bytes]) -> int:
+        """Stream ``source`` into ``path`` through a temporary sibling renamed into place; return the bytes."""
+        check_path(path)
+        started = self._shell(handle, guest.shell_command("write.sh", "start", path), max_output_bytes=64 * 1024)
+        if not started.ok or not started.stdout.strip():
+            raise file_failure(started, path, "writing")
+        temp = started.stdout.strip().splitlines()[-1]
+        total = 0
+        try:
+            while chunk := source.read(SHELL_WRITE_CHUNK_BYTES):
+                encoded = base64.b64encode(chunk).decode()
+                piece = self._shell(
+                    handle, guest.shell_command("write.sh", "append", temp, encoded), max_output_bytes=64 * 1024
+                )
+                if not piece.ok:
+                    raise file_failure(piece, path, "writing")
+                total += len(chunk)
+            done = self._shell(
+                handle, guest.shell_command("write.sh", "commit", temp, path), max_output_bytes=64 * 1024
+            )
+            if not done.ok:
+                raise file_failure(done, path, "writing")
+        except BaseException:
+            try:
+                self._shell(handle, guest.shell_command("write.sh", "abort", temp), max_output_bytes=4096)
+            except Exception:  # the first failure is the one to report
+                pass
+            raise
+        return total
+
+    def list_directory(self, handle: str, path: str = ".") -> list[tuple[str, bool]]:
+        """See :meth:`SandboxHook.list_directory`."""
+        check_path(path)
+        result = self._shell(handle, guest.shell_command("list.sh", path), max_output_bytes=LIST_OUTPUT_BYTES)
+        return parse_listing(path, result)
+
+    def export_file(self, handle: str, path: str, stream: IO[bytes], *, max_bytes: int) -> int:
+        """See :meth:`SandboxHook.export_file`; memory stays bounded by one 4 MiB piece."""
+        check_byte_count(max_bytes, "max_bytes")
+        check_path(path)
+        checked = self._shell(
+            handle, guest.shell_command("file.sh", path, int(max_bytes), "check"), max_output_bytes=4096
+        )
+        size = reported_size(checked.stderr)
+        if checked.exit_code == guest.TOO_LARGE_STATUS:
+            raise SandboxFileTooLargeError(path, size or max_bytes + 1, max_bytes)
+        if not checked.ok:
+            raise file_failure(checked, path, "exporting")
+        if size is None:
+            raise SandboxError("The sandbox did not report the size of the file being exported.")
+        copied = 0
+        while True:
+            script = guest.shell_command("file.sh", path, "-", "chunk", copied, SHELL_CHUNK_BYTES)
+            piece = self._shell(handle, script, max_output_bytes=_b64_cap(SHELL_CHUNK_BYTES))
+            if not piece.ok or piece.stdout_truncated:
+                raise file_failure(piece, path, "exporting")
+            data = _decode(piece.stdout, path)
+            copied += len(data)
+            if copied > max_bytes:
+                raise SandboxFileTooLargeError(path, copied, max_bytes)
+            stream.write(data)
+            if len(data) < SHELL_CHUNK_BYTES:
+                break
+        check_export_size(path, size, copied)
+        return copied
+
+
+def _decode(text: str, path: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=False)
+    except (binascii.Error, ValueError) as err:
+        raise SandboxError(f"Could not decode {path!r} from the sandbox.") from err

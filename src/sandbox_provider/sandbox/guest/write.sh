@@ -1,0 +1,20 @@
+# Write a file atomically: the bytes go to a temporary sibling first, renamed over the path at the
+# end, so a reader never sees half a file and a symlink at the path is replaced, not followed.
+#   stdin PATH          copy standard input to PATH
+#   start PATH          print the name of a new temporary sibling of PATH (parents made)
+#   append TMP B64      append the base64 text B64, decoded, to TMP
+#   commit TMP PATH     rename TMP over PATH
+#   abort TMP           remove TMP
+mode=$1
+case $mode in
+  stdin)
+    d=$(dirname -- "$2") && mkdir -p -- "$d" && t=$(mktemp "$d/.sandbox-write.XXXXXX") || exit 1
+    if cat > "$t" && mv -fT -- "$t" "$2"; then exit 0; fi
+    rm -f -- "$t"; exit 1 ;;
+  start)
+    d=$(dirname -- "$2") && mkdir -p -- "$d" && mktemp "$d/.sandbox-write.XXXXXX" ;;
+  append) printf %s "$3" | base64 -d >> "$2" ;;
+  commit) mv -fT -- "$2" "$3" ;;
+  abort) rm -f -- "$2" ;;
+  *) echo "write.sh: unknown mode $mode" >&2; exit 2 ;;
+esac

@@ -1,0 +1,228 @@
+"""
+One table of settings per backend: each setting once, with its type, default, bounds and help.
+
+The table resolves a hook's settings (the hook's own argument over the connection's extra over the
+default), checks each value, and generates the connection form fields Airflow shows, so the form
+cannot drift from what the hook reads.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ConnectionForm", "Setting", "SettingsTable"]
+
+_KINDS: dict[type, str] = {int: "integer", float: "number", str: "string", bool: "boolean"}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """
+    One setting a backend reads.
+
+    :param name: the hook argument and the connection extra of the same name.
+    :param kind: ``int``, ``float``, ``str`` or ``bool``.
+    :param default: the value when neither argument nor extra gives one; None for "not set".
+    :param label: the form field's label.
+    :param help: one or two sentences for the form: what it does, its unit and its default.
+    :param unit: the unit of a number (``"seconds"``, ``"bytes"``), shown in the help.
+    :param minimum: the smallest value accepted (numbers).
+    :param maximum: the largest value accepted (numbers).
+    :param choices: the values accepted (strings).
+    :param form: False for a setting with no form field (a hook argument only).
+    """
+
+    name: str
+    kind: type
+    default: Any = None
+    label: str = ""
+    help: str = ""
+    unit: str | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[str, ...] | None = None
+    form: bool = True
+
+    def check(self, value: Any, where: str, *, strict: bool = False) -> Any:
+        """
+        Return ``value`` converted to the setting's kind, if it is within bounds; None passes.
+
+        Strings are converted, since connection extras typed in a form are often strings, unless
+        ``strict`` (hook arguments, written in Python, must have the right type).
+
+        :raises ValueError: naming ``where`` (the argument or extra) and what to give instead.
+        """
+        if value is None or (value == "" and self.kind is not str):
+            return None
+        converted = self._convert(value, strict)
+        if converted is None:
+            raise ValueError(f"{where} must be {self._shape()}, got {value!r}.")
+        if isinstance(converted, (int, float)) and not isinstance(converted, bool):
+            low_ok = self.minimum is None or converted >= self.minimum
+            high_ok = self.maximum is None or converted <= self.maximum
+            if not (low_ok and high_ok):
+                raise ValueError(f"{where} must be {self._shape()}, got {value!r}.")
+        if self.choices is not None and converted not in self.choices:
+            raise ValueError(f"{where} must be one of {', '.join(map(repr, self.choices))}; got {value!r}.")
+        return converted
+
+    def _convert(self, value: Any, strict: bool) -> Any:
+        kind = self.kind
+        if strict and kind is not float and not isinstance(value, kind):
+            return None
+        if strict and kind is float and (isinstance(value, str) or isinstance(value, bool)):
+            return None
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            return True if text in _TRUE else False if text in _FALSE else None
+        if isinstance(value, bool):
+            return None
+        if kind is str:
+            return value if isinstance(value, str) and value.strip() and "\0" not in value else None
+        if isinstance(value, str):
+            try:
+                value = float(value.strip())
+            except ValueError:
+                return None
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            return None
+        if kind is int:
+            return int(value) if float(value).is_integer() else None
+        return float(value)
+
+    def _shape(self) -> str:
+        if self.kind is bool:
+            return "true or false"
+        if self.kind is str:
+            return "a non-empty string"
+        what = "a whole number" if self.kind is int else "a number"
+        if self.unit:
+            what += f" of {self.unit}"
+        if self.minimum is not None and self.maximum is not None:
+            return f"{what} from {self.minimum:g} to {self.maximum:g}"
+        if self.minimum is not None:
+            return f"{what} of at least {self.minimum:g}"
+        return what
+
+    def form_field(self) -> dict[str, Any]:
+        """The ``conn-fields`` entry Airflow renders for this setting."""
+        types = [_KINDS[self.kind], "null"]
+        schema: dict[str, Any] = {"type": types}
+        if self.minimum is not None:
+            schema["minimum"] = self.minimum
+        if self.maximum is not None:
+            schema["maximum"] = self.maximum
+        if self.choices is not None:
+            schema["enum"] = [*self.choices, None]
+        text = self.help
+        if self.default is not None and "Default" not in text:
+            text = f"{text} Default: {self._default_text()}.".strip()
+        field: dict[str, Any] = {"label": self.label or self.name, "schema": schema, "description": text}
+        return field
+
+    def _default_text(self) -> str:
+        if self.kind is bool:
+            return "true" if self.default else "false"
+        if isinstance(self.default, float) and self.default.is_integer():
+            return str(int(self.default))
+        return str(self.default)
+
+
+class SettingsTable:
+    """
+    The settings of one backend, in form order.
+
+    :param settings: each setting once.
+    :raises ValueError: when two settings share a name.
+    """
+
+    def __init__(self, *settings: Setting) -> None:
+        names = [s.name for s in settings]
+        if len(set(names)) != len(names):
+            raise ValueError(f"settings must be named once each: {names!r}")
+        self._settings = {s.name: s for s in settings}
+
+    def __iter__(self):
+        return iter(self._settings.values())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._settings
+
+    def __getitem__(self, name: str) -> Setting:
+        return self._settings[name]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self._settings)
+
+    def check_args(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        """
+        Check hook arguments (None for "not given") at construction, so a Dag file fails at parse time.
+
+        :raises ValueError: for a value of the wrong kind or out of bounds, naming the argument.
+        """
+        unknown = sorted(set(args) - set(self._settings))
+        if unknown:
+            raise ValueError(f"not settings of this backend: {unknown!r}")
+        return {name: self._settings[name].check(value, name, strict=True) for name, value in args.items()}
+
+    def resolve(
+        self, args: Mapping[str, Any], extra: Mapping[str, Any] | None = None, *, conn_id: str | None = None
+    ) -> dict[str, Any]:
+        """
+        Return every setting's value: the hook argument if given, else the connection extra, else the default.
+
+        :param args: hook arguments by setting name, None for "not given" (already checked).
+        :param extra: the connection's extras.
+        :param conn_id: the connection, named in errors.
+        :raises ValueError: for an extra of the wrong kind or out of bounds, naming the connection and extra.
+        """
+        extra = extra or {}
+        values: dict[str, Any] = {}
+        for name, setting in self._settings.items():
+            value = args.get(name)
+            if value is None and name in extra:
+                where = f"Connection {conn_id!r} extra {name!r}" if conn_id else f"extra {name!r}"
+                value = setting.check(extra[name], where)
+            values[name] = setting.default if value is None else value
+        return values
+
+    def form_fields(self) -> dict[str, dict[str, Any]]:
+        """The ``conn-fields`` mapping for ``get_provider_info()``: one field per setting with ``form=True``."""
+        return {s.name: s.form_field() for s in self._settings.values() if s.form}
+
+    def extend(self, settings: Iterable[Setting]) -> SettingsTable:
+        """A new table with these settings added after this table's."""
+        return SettingsTable(*self._settings.values(), *settings)
+
+
+@dataclass(frozen=True)
+class ConnectionForm:
+    """
+    How one backend appears among Airflow's connection types. It imports nothing of Airflow, since
+    Airflow reads it while it starts; the backend's hook takes its connection type, name and settings
+    from it.
+
+    :param conn_type: the connection type, ``sandbox_<backend>``.
+    :param hook_name: the name shown in the connection form's type list.
+    :param settings: the backend's settings table; its fields become the form's extra fields.
+    :param ui_behaviour: the form's standard fields: ``hidden-fields``, ``relabeling``, ``placeholders``.
+    :param conn_name_attr: the hook argument naming the connection.
+    """
+
+    conn_type: str
+    hook_name: str
+    settings: SettingsTable
+    ui_behaviour: Mapping[str, Any]
+    conn_name_attr: str = "sandbox_conn_id"
+
+    @property
+    def default_conn_name(self) -> str:
+        return f"{self.conn_type}_default"
