@@ -60,3 +60,54 @@ def _sandbox_can_reach_tmp_path(request):
             if str(folder) in ("/", tempfile.gettempdir()):
                 break
             folder.chmod(folder.stat().st_mode | 0o111)
+
+
+# -- what a test needs from the machine ------------------------------------------------------------------
+
+#: Marks a test (or, as ``pytestmark``, a module) that needs bubblewrap. Without it the test is skipped,
+#: unless SANDBOX_REQUIRE_BWRAP is set (CI sets it), when it fails instead.
+requires_bwrap = pytest.mark.skipif(
+    not os.path.exists("/usr/bin/bwrap") and not os.environ.get("SANDBOX_REQUIRE_BWRAP"),
+    reason="bubblewrap is not installed (apt-get install bubblewrap; SANDBOX_REQUIRE_BWRAP=1 makes this a failure)",
+)
+
+DOCKER_IMAGE = os.environ.get("SANDBOX_DOCKER_IMAGE", "airflow-sandbox-python:bookworm")
+DOCKER_CONN_ID = "sandbox_docker_test"
+
+
+def docker_unavailable(reason: str):
+    """Skip (or, with SANDBOX_REQUIRE_DOCKER set, fail) a test that needs the Docker Engine."""
+    if os.environ.get("SANDBOX_REQUIRE_DOCKER"):
+        pytest.fail(f"SANDBOX_REQUIRE_DOCKER is set but {reason}. Run: bash scripts/docker/prepare.sh")
+    pytest.skip(f"{reason}; run bash scripts/docker/prepare.sh to test the Docker backend")
+
+
+@pytest.fixture(scope="session")
+def docker_client():
+    """A raw SDK client to the Engine under test, for checks from outside the hook."""
+    docker = pytest.importorskip("docker")
+    try:
+        client = docker.from_env(version="auto", timeout=10)
+        client.ping()
+    except Exception as err:
+        docker_unavailable(f"no Docker Engine is reachable ({err})")
+    try:
+        client.images.get(DOCKER_IMAGE)
+    except docker.errors.ImageNotFound:
+        docker_unavailable(f"the Engine has no image {DOCKER_IMAGE!r}")
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def docker_conn(docker_client):
+    """An Airflow connection of type sandbox_docker for the local Engine and the test image."""
+    value = json.dumps(
+        {
+            "conn_type": "sandbox_docker",
+            "extra": {"image": DOCKER_IMAGE, "cpus": 1, "memory_bytes": 512 * 1024 * 1024, "pids_limit": 256},
+        }
+    )
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(f"AIRFLOW_CONN_{DOCKER_CONN_ID.upper()}", value)
+        yield DOCKER_CONN_ID

@@ -10,15 +10,13 @@ import pytest
 from airflow.sdk import DAG, task
 from airflow.sdk.exceptions import AirflowSkipException
 
+from conftest import requires_bwrap
 from sandbox_provider.decorators.sandbox import sandbox_task, shipped_source
 from sandbox_provider.hooks.local import LocalSandboxHook
 from sandbox_provider.operators.sandbox import SandboxCommandError
 from sandbox_provider.sandbox import SandboxSpec
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists("/usr/bin/bwrap") and not os.environ.get("SANDBOX_REQUIRE_BWRAP"),
-    reason="bubblewrap is not installed",
-)
+pytestmark = requires_bwrap
 
 
 # -- functions under test live in this file: their source is shipped ------------------------------------------
@@ -57,7 +55,6 @@ def alias(x):
 
 @task.sandbox
 def where():
-    import os
     import sys
 
     return {"cwd": os.getcwd(), "secret": os.environ.get("WORKER_SECRET"), "python": sys.executable}
@@ -123,7 +120,6 @@ def takes_any(value):
 @task.sandbox
 def forges_a_hostile_result(kind):
     import glob
-    import os
 
     (directory,) = glob.glob(".airflow-sandbox-task/*/")
     hostile = {"nan": "NaN", "deep": "[" * 200000 + "]" * 200000, "bytes": "\udcff"}[kind]

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import csv
-import os
 from unittest import mock
 
 import pytest
 from airflow.sdk import BaseHook
 
+from conftest import requires_bwrap
 from dag_runs import EXAMPLE_DIR, independent_carrier_stats, load_bag, run_example, task_states
 
 EXAMPLES = sorted(EXAMPLE_DIR.glob("example_*.py"))
 
-needs_bwrap = pytest.mark.skipif(
-    not os.path.exists("/usr/bin/bwrap") and not os.environ.get("SANDBOX_REQUIRE_BWRAP"),
-    reason="bubblewrap is not installed",
-)
+needs_bwrap = requires_bwrap
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

@@ -36,6 +36,8 @@ from sandbox_provider.sandbox.spec import (
 
 docker = pytest.importorskip("docker")
 
+from conftest import DOCKER_CONN_ID as CONN_ID  # noqa: E402
+from conftest import DOCKER_IMAGE  # noqa: E402
 from sandbox_provider.hooks.docker import (
     MAX_COMMAND_SECONDS,
     SANDBOX_LABEL,
@@ -45,45 +47,8 @@ from sandbox_provider.hooks.docker import (
 
 pytestmark = pytest.mark.docker
 
-IMAGE = os.environ.get("SANDBOX_DOCKER_IMAGE", "airflow-sandbox-python:bookworm")
-CONN_ID = "sandbox_docker_test"
+IMAGE = DOCKER_IMAGE
 MiB = 1024 * 1024
-
-
-def _unavailable(reason: str):
-    if os.environ.get("SANDBOX_REQUIRE_DOCKER"):
-        pytest.fail(f"SANDBOX_REQUIRE_DOCKER is set but {reason}. Run: bash scripts/docker/prepare.sh")
-    pytest.skip(f"{reason}; run bash scripts/docker/prepare.sh to test the Docker backend")
-
-
-@pytest.fixture(scope="module")
-def docker_client():
-    """A raw SDK client to the Engine under test, for checks from outside the hook."""
-    try:
-        client = docker.from_env(version="auto", timeout=10)
-        client.ping()
-    except Exception as err:
-        _unavailable(f"no Docker Engine is reachable ({err})")
-    try:
-        client.images.get(IMAGE)
-    except docker.errors.ImageNotFound:
-        _unavailable(f"the Engine has no image {IMAGE!r}")
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def docker_conn(docker_client):
-    """An Airflow connection of type sandbox_docker for the local Engine and the test image."""
-    value = json.dumps(
-        {
-            "conn_type": "sandbox_docker",
-            "extra": {"image": IMAGE, "cpus": 1, "memory_bytes": 512 * MiB, "pids_limit": 256},
-        }
-    )
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(f"AIRFLOW_CONN_{CONN_ID.upper()}", value)
-        yield CONN_ID
 
 
 @pytest.fixture(scope="module")

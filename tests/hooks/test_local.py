@@ -9,14 +9,12 @@ import time
 
 import pytest
 
+from conftest import requires_bwrap
 from sandbox_provider.hooks.local import LocalSandboxHook
 from sandbox_provider.sandbox import SandboxError, SandboxFileTooLargeError, SandboxSpec, SandboxTerminalError
 from sandbox_provider.sandbox.spec import EXPIRES_AT_TAG, HOLDER_TAG
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists("/usr/bin/bwrap") and not os.environ.get("SANDBOX_REQUIRE_BWRAP"),
-    reason="bubblewrap is not installed",
-)
+pytestmark = requires_bwrap
 
 
 @pytest.fixture

@@ -11,15 +11,13 @@ import pytest
 from airflow.sdk import BaseHook
 from airflow.sdk.exceptions import AirflowSkipException
 
+from conftest import requires_bwrap
 from sandbox_provider.hooks.local import LocalSandboxHook
 from sandbox_provider.operators.sandbox import TAIL_CHARS, SandboxCommandError, SandboxOperator
 from sandbox_provider.sandbox import SandboxSpec, SandboxTerminalError, dag_run_owner
 from sandbox_provider.sandbox.spec import HOLDER_TAG, OWNER_TAG
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists("/usr/bin/bwrap") and not os.environ.get("SANDBOX_REQUIRE_BWRAP"),
-    reason="bubblewrap is not installed",
-)
+pytestmark = requires_bwrap
 
 
 class RecordingHook(LocalSandboxHook):

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ from pydantic_ai.messages import (
 )
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
+from conftest import requires_bwrap
 from sandbox_provider.hooks.local import LocalSandboxHook
 from sandbox_provider.sandbox import SandboxSpec, SandboxTerminalError
 from sandbox_provider.sandbox.errors import SandboxError
@@ -32,10 +31,7 @@ from sandbox_provider.sandbox.spec import HOLDER_TAG, OWNER_TAG, SandboxExecResu
 from sandbox_provider.toolsets import SandboxToolset
 from sandbox_provider.toolsets.sandbox import MASK_MARGIN_BYTES
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("bwrap") is None and not os.environ.get("SANDBOX_REQUIRE_BWRAP"),
-    reason="bubblewrap is not installed (SANDBOX_REQUIRE_BWRAP=1 makes this a failure)",
-)
+pytestmark = requires_bwrap
 
 
 # -- a model that plays a script -------------------------------------------------------------------

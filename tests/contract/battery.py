@@ -1,0 +1,148 @@
+"""
+The contract battery: the same cases for every backend.
+
+A backend's test module subclasses :class:`SandboxContract` (the class is not collected itself) and
+provides a ``hook`` fixture; class attributes say what the backend accepts. Every case runs against
+the real backend or its faithful stand-in, never against a mock of the hook.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from sandbox_provider.sandbox import SandboxError, SandboxFileTooLargeError, SandboxSpec, SandboxTerminalError
+from sandbox_provider.sandbox.errors import SandboxHandleError
+
+#: Every byte value, twice, and a NUL in the middle: what a binary-safe transfer must carry.
+BINARY = bytes(range(256)) * 2 + b"\0tail"
+
+
+class SandboxContract:
+    """Subclass as ``TestXContract`` with a ``hook`` fixture; override the attributes below as needed."""
+
+    #: The spec a plain sandbox is created with (sbx needs a declared host network policy, say).
+    base_spec: SandboxSpec = SandboxSpec()
+    #: Specs this backend must refuse before provisioning, with a regex their message matches.
+    refused_specs: list[tuple[SandboxSpec, str]] = []
+    #: A timeout short enough to test and long enough for the backend's round trip, in seconds.
+    short_timeout: float = 2.0
+
+    @pytest.fixture
+    def sandbox(self, hook):
+        handle = hook.create(spec=self.base_spec)
+        yield handle
+        hook.destroy(handle)
+
+    def sh(self, hook, handle, command, *, timeout=60.0, max_output_bytes=64 * 1024, **kwargs):
+        return hook.run_command(handle, command, timeout=timeout, max_output_bytes=max_output_bytes, **kwargs)
+
+    # -- commands ------------------------------------------------------------------------------------
+
+    def test_runs_with_exit_codes_and_both_streams(self, hook, sandbox):
+        result = self.sh(hook, sandbox, "echo out; echo err >&2; exit 3")
+        assert (result.exit_code, result.stdout, result.stderr) == (3, "out\n", "err\n")
+        assert not result.ok and not result.timed_out and not result.sandbox_terminated
+        assert result.applied_timeout is not None and 0 < result.applied_timeout <= 60.0
+
+    def test_env_reaches_the_command_and_nothing_of_the_worker(self, hook, monkeypatch):
+        import dataclasses
+
+        monkeypatch.setenv("WORKER_SECRET_FOR_CONTRACT", "must-not-leak")
+        spec = dataclasses.replace(self.base_spec, env={"GREETING": "hello world", **(self.base_spec.env or {})})
+        handle = hook.create(spec=spec)
+        try:
+            result = self.sh(hook, handle, 'printf %s "$GREETING"; env')
+            assert result.ok, result
+            assert result.stdout.startswith("hello world")
+            assert "must-not-leak" not in result.stdout
+        finally:
+            hook.destroy(handle)
+
+    def test_state_persists_between_commands(self, hook, sandbox):
+        assert self.sh(hook, sandbox, "echo kept > state.txt").ok
+        assert self.sh(hook, sandbox, "cat state.txt").stdout == "kept\n"
+
+    def test_timeout_kills_and_the_sandbox_stays(self, hook, sandbox):
+        result = self.sh(hook, sandbox, "sleep 60; echo never", timeout=self.short_timeout)
+        assert result.timed_out and not result.ok
+        assert "never" not in result.stdout
+        assert self.sh(hook, sandbox, "echo alive").stdout == "alive\n"
+
+    def test_output_flood_keeps_a_bounded_tail(self, hook, sandbox):
+        result = self.sh(hook, sandbox, "yes line | head -n 300000; echo last", max_output_bytes=1000)
+        assert result.ok, result
+        assert len(result.stdout.encode()) <= 1000 and result.stdout_truncated
+        assert result.stdout.endswith("last\n")
+
+    def test_output_streams_as_it_arrives(self, hook, sandbox):
+        seen: list[tuple[str, bytes]] = []
+        result = self.sh(hook, sandbox, "echo one; echo two >&2", on_output=lambda s, d: seen.append((s, d)))
+        assert result.ok
+        assert b"".join(d for s, d in seen if s == "stdout") == b"one\n"
+        assert b"".join(d for s, d in seen if s == "stderr") == b"two\n"
+
+    def test_bad_commands_are_refused(self, hook, sandbox):
+        for command in ("", "   ", "echo a\0b"):
+            with pytest.raises(SandboxError):
+                self.sh(hook, sandbox, command)
+
+    # -- files ---------------------------------------------------------------------------------------
+
+    def test_binary_write_read_round_trip(self, hook, sandbox):
+        hook.write_file(sandbox, "deep/er/blob.bin", BINARY)
+        assert hook.read_file(sandbox, "deep/er/blob.bin", max_bytes=len(BINARY)) == BINARY
+        assert self.sh(hook, sandbox, "wc -c < deep/er/blob.bin").stdout.strip() == str(len(BINARY))
+
+    def test_write_replaces_and_import_streams(self, hook, sandbox):
+        hook.write_file(sandbox, "f.txt", b"first, longer content")
+        hook.write_file(sandbox, "f.txt", b"second")
+        assert hook.read_file(sandbox, "f.txt", max_bytes=100) == b"second"
+        data = b"x" * (3 * 1024 * 1024 + 7)
+        assert hook.import_file(sandbox, "big.bin", io.BytesIO(data)) == len(data)
+        out = io.BytesIO()
+        assert hook.export_file(sandbox, "big.bin", out, max_bytes=len(data)) == len(data)
+        assert out.getvalue() == data
+
+    def test_file_errors(self, hook, sandbox):
+        self.sh(hook, sandbox, "mkdir -p d; printf 0123456789 > ten")
+        with pytest.raises(SandboxError, match="does not exist"):
+            hook.read_file(sandbox, "missing", max_bytes=10)
+        with pytest.raises(SandboxError, match="is a directory"):
+            hook.read_file(sandbox, "d", max_bytes=10)
+        with pytest.raises(SandboxFileTooLargeError) as info:
+            hook.read_file(sandbox, "ten", max_bytes=9)
+        assert info.value.max_bytes == 9
+        with pytest.raises(SandboxFileTooLargeError):
+            hook.export_file(sandbox, "ten", io.BytesIO(), max_bytes=9)
+        with pytest.raises(SandboxError):
+            hook.list_directory(sandbox, "ten")
+
+    def test_list_directory_sorted_with_kinds(self, hook, sandbox):
+        self.sh(hook, sandbox, "mkdir -p l/sub && : > l/b.txt && : > 'l/a file'")
+        assert hook.list_directory(sandbox, "l") == [("a file", False), ("b.txt", False), ("sub", True)]
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    def test_destroy_is_idempotent_and_final(self, hook):
+        handle = hook.create(spec=self.base_spec)
+        hook.destroy(handle)
+        hook.destroy(handle)
+        with pytest.raises(SandboxTerminalError):
+            self.sh(hook, handle, "true")
+
+    def test_bad_handles_are_refused_before_any_call(self, hook):
+        for bad in ("", "None", "../../etc", "a b", "x/../y"):
+            with pytest.raises(SandboxHandleError):
+                self.sh(hook, bad, "true")
+            with pytest.raises(SandboxHandleError):
+                hook.destroy(bad)
+
+    def test_refusals_happen_before_provisioning(self, hook, monkeypatch):
+        made: list[object] = []
+        monkeypatch.setattr(hook, "_provision", lambda request: made.append(request) or "never")
+        for spec, message in self.refused_specs:
+            with pytest.raises(SandboxTerminalError, match=message):
+                hook.create(spec=spec)
+        assert made == []

@@ -1,0 +1,79 @@
+"""The guest programs, run on the host under plain sh and python3, as a sandbox runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sandbox_provider.sandbox import guest
+
+
+def sh(name, *args, cwd, stdin=b""):
+    return subprocess.run(
+        guest.shell_command(name, *args), shell=True, cwd=cwd, input=stdin, capture_output=True, check=False
+    )
+
+
+def test_every_program_is_listed_and_loads():
+    from importlib import resources
+
+    names = {p.name for p in resources.files(guest).iterdir() if p.name.endswith((".sh", ".py"))} - {"__init__.py"}
+    assert {"file.sh", "write.sh", "list.sh", "task_runner.py"} <= names
+    for name in names:
+        assert guest.program(name).strip()
+    for bad in ("../hook.py", "__init__.py", ".hidden"):
+        with pytest.raises(FileNotFoundError):
+            guest.program(bad)
+    with pytest.raises(ValueError, match="NUL"):
+        guest.shell_command("file.sh", "a\0b")
+
+
+def test_file_checks_and_statuses(tmp_path):
+    (tmp_path / "ten").write_bytes(b"0123456789")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "-dash").write_bytes(b"x")
+    ok = sh("file.sh", "ten", 10, "head", cwd=tmp_path)
+    assert (ok.returncode, ok.stdout, ok.stderr) == (0, b"0123456789", b"sandbox-size:10\n")
+    assert sh("file.sh", "ten", 9, "head", cwd=tmp_path).returncode == guest.TOO_LARGE_STATUS
+    assert sh("file.sh", "missing", 9, "head", cwd=tmp_path).returncode == guest.MISSING_STATUS
+    assert sh("file.sh", "d", 9, "check", cwd=tmp_path).returncode == guest.IS_DIR_STATUS
+    assert sh("file.sh", "/dev/null", 9, "check", cwd=tmp_path).returncode == guest.NOT_REGULAR_STATUS
+    assert sh("file.sh", "ten", "-", "chunk", 3, 4, cwd=tmp_path).stdout.strip() == b"MzQ1Ng=="
+    assert sh("file.sh", "-dash", "-", "cat", cwd=tmp_path).stdout == b"x"
+
+
+def test_write_is_atomic_and_replaces_links(tmp_path):
+    target = tmp_path / "outside"
+    target.write_text("keep")
+    (tmp_path / "link").symlink_to(target)
+    assert sh("write.sh", "stdin", "link", cwd=tmp_path, stdin=b"new").returncode == 0
+    assert target.read_text() == "keep" and (tmp_path / "link").read_bytes() == b"new"
+    temp = sh("write.sh", "start", "a/b/c.txt", cwd=tmp_path).stdout.decode().strip()
+    assert sh("write.sh", "append", temp, "aGk=", cwd=tmp_path).returncode == 0
+    assert not (tmp_path / "a/b/c.txt").exists()
+    assert sh("write.sh", "commit", temp, "a/b/c.txt", cwd=tmp_path).returncode == 0
+    assert (tmp_path / "a/b/c.txt").read_bytes() == b"hi"
+    assert sorted(p.name for p in (tmp_path / "a/b").iterdir()) == ["c.txt"]
+
+
+def test_list_records(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "f").write_text("")
+    out = sh("list.sh", ".", cwd=tmp_path).stdout.split(b"\0")
+    assert sorted(r for r in out if r) == [b"d sub", b"f f"]
+    assert sh("list.sh", "f", cwd=tmp_path).returncode == guest.MISSING_STATUS
+
+
+def test_task_runner_round_trip(tmp_path):
+    (tmp_path / "fn.py").write_text("def add(a, b):\n    return {'sum': a + b}\n")
+    (tmp_path / "call.json").write_text(json.dumps({"args": [1, 2], "kwargs": {}}))
+    runner = tmp_path / "runner.py"
+    runner.write_text(guest.program("task_runner.py"))
+    done = subprocess.run(
+        [sys.executable, str(runner), "fn.py", "add", "call.json", "result.json"], cwd=tmp_path, check=False
+    )
+    assert done.returncode == 0
+    assert json.loads((tmp_path / "result.json").read_text()) == {"sum": 3}
