@@ -55,6 +55,7 @@ def alias(x):
 
 @task.sandbox
 def where():
+    import os  # noqa: F811 - the body runs in the sandbox, which has only what it imports
     import sys
 
     return {"cwd": os.getcwd(), "secret": os.environ.get("WORKER_SECRET"), "python": sys.executable}
@@ -120,6 +121,7 @@ def takes_any(value):
 @task.sandbox
 def forges_a_hostile_result(kind):
     import glob
+    import os  # noqa: F811 - the body runs in the sandbox, which has only what it imports
 
     (directory,) = glob.glob(".airflow-sandbox-task/*/")
     hostile = {"nan": "NaN", "deep": "[" * 200000 + "]" * 200000, "bytes": "\udcff"}[kind]

@@ -232,8 +232,8 @@ def test_unknown_connection_type_fails_before_provisioning(add_connection, monke
         ({"attach_to": ""}, "not a sandbox handle"),
         ({"attach_to": "None"}, "not a sandbox handle"),
         ({"attach_to": "h", "spec": SandboxSpec()}, "spec cannot be combined with attach_to"),
-        ({"owner": "someone"}, "owner applies to a sandbox shared"),
-        ({"owner": "a", "keep_sandbox": True, "spec": SandboxSpec(owner="b")}, "contradicts spec.owner"),
+        ({"sandbox_owner": "someone"}, "sandbox_owner applies to a sandbox shared"),
+        ({"sandbox_owner": "a", "keep_sandbox": True, "spec": SandboxSpec(owner="b")}, "contradicts spec.owner"),
         ({"keep_sandbox": "yes"}, "keep_sandbox must be None, True or False"),
         ({"skip_on_exit_code": "99"}, "skip_on_exit_code"),
         ({"skip_on_exit_code": 0}, "0 is success"),
@@ -333,12 +333,12 @@ def test_keep_sandbox_without_command_provisions_and_stages(hook, tmp_path):
 
 
 def test_keep_sandbox_owner_argument_is_stamped(hook):
-    handle = SandboxOperator(task_id="p", backend=hook, command=None, keep_sandbox=True, owner="team-a").execute(
+    handle = SandboxOperator(task_id="p", backend=hook, command=None, keep_sandbox=True, sandbox_owner="team-a").execute(
         make_context()
     )
     try:
         assert hook.read_tags(handle)[OWNER_TAG] == "team-a"
-        result = SandboxOperator(task_id="u", backend=hook, attach_to=handle, owner="team-a", command="true").execute(
+        result = SandboxOperator(task_id="u", backend=hook, attach_to=handle, sandbox_owner="team-a", command="true").execute(
             make_context(run_id="another-run")
         )
         assert result["exit_code"] == 0
@@ -423,3 +423,28 @@ def test_templated_input_url(hook, tmp_path):
     context = make_context(run_id="run-7")
     render(op, context)
     assert op.execute(context)["stdout"] == "templated input"
+
+
+def test_default_args_owner_stays_airflows_and_no_argument_shadows_baseoperator():
+    import inspect
+
+    from airflow.sdk import DAG, BaseOperator, task
+
+    from sandbox_provider.decorators.sandbox import _SandboxDecoratedOperator as SandboxDecoratedOperator
+
+    with DAG("owners", schedule=None, default_args={"owner": "data-team"}):
+        op = SandboxOperator(task_id="job", command="true", keep_sandbox=True, sandbox_owner="d/r")
+
+        @task.sandbox
+        def add(a, b):
+            return a + b
+
+        decorated = add(1, 2).operator
+    assert op.owner == "data-team" and decorated.owner == "data-team"
+    assert op.sandbox_owner == "d/r"
+    base = set(inspect.signature(BaseOperator.__init__).parameters) | {
+        n for n in dir(BaseOperator) if not n.startswith("_")
+    }
+    for cls in (SandboxOperator, SandboxDecoratedOperator):
+        own = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs", "args"}
+        assert not (own & base) - {"python_callable", "op_args", "op_kwargs", "multiple_outputs"}, own & base

@@ -94,7 +94,7 @@ def test_bad_export_urls_refused_before_provisioning(hook, url):
 
 
 def test_bad_arguments_refused(hook):
-    with pytest.raises(ValueError, match="owner only applies"):
+    with pytest.raises(ValueError, match="sandbox_owner applies to a sandbox shared"):
         SandboxSession(hook, owner="x")
     with pytest.raises(ValueError, match="spec cannot be combined"):
         SandboxSession(hook, attach_to="airflow-sandbox-000000000000", spec=SandboxSpec())

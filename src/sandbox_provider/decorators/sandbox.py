@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_decorator_factory
 from airflow.sdk.definitions.context import KNOWN_CONTEXT_KEYS
 
-from sandbox_provider.operators.sandbox import SandboxCommandError, SandboxOperator, _is_reference
+from sandbox_provider.operators.sandbox import SandboxCommandError, SandboxOperator
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError
+from sandbox_provider.sandbox.options import is_reference
 from sandbox_provider.sandbox.output import format_size
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ def _no_constant(name: str) -> Any:
 
 def _json_problem(value: Any, *, allow_references: bool) -> str | None:
     """Describe why ``value`` cannot cross into the sandbox as JSON, or return None if it can."""
-    if allow_references and _is_reference(value):
+    if allow_references and is_reference(value):
         return None
     if value is None or isinstance(value, (bool, int, str)):
         return None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -12,6 +11,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 
 from sandbox_provider.hooks import get_sandbox_hook
 from sandbox_provider.sandbox.hook import SandboxHook
+from sandbox_provider.sandbox.options import SessionOptions
 from sandbox_provider.sandbox.output import mask_stream, tail_text
 from sandbox_provider.sandbox.session import SandboxSession
 from sandbox_provider.sandbox.spec import (
@@ -19,9 +19,8 @@ from sandbox_provider.sandbox.spec import (
     SandboxSpec,
     check_byte_count,
     check_positive,
-    dag_run_owner,
 )
-from sandbox_provider.sandbox.transfer import DEFAULT_MAX_EXPORT_BYTES, check_transfer_map
+from sandbox_provider.sandbox.transfer import DEFAULT_MAX_EXPORT_BYTES
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
@@ -42,13 +41,6 @@ class SandboxCommandError(AirflowException):
     """The command in the sandbox exited non-zero, timed out, or lost its sandbox."""
 
 
-def _is_reference(value: Any) -> bool:
-    """True for a value Airflow resolves when the task runs, such as an ``XComArg``."""
-    from airflow.sdk.definitions._internal.mixins import ResolveMixin
-
-    return isinstance(value, ResolveMixin)
-
-
 def _check_exit_codes(value: Any) -> frozenset[int]:
     if value is None:
         return frozenset()
@@ -61,12 +53,6 @@ def _check_exit_codes(value: Any) -> frozenset[int]:
             f"skip_on_exit_code holds {bad!r}; give exit statuses from 1 to 255 (0 is success, which never skips)."
         )
     return frozenset(codes)
-
-
-def _check_conn_id(value: Any, name: str) -> str | None:
-    if value is None or (isinstance(value, str) and value.strip()):
-        return value
-    raise ValueError(f"{name} must be the id of an Airflow connection, or None; got {value!r}.")
 
 
 class SandboxOperator(BaseOperator):
@@ -99,11 +85,12 @@ class SandboxOperator(BaseOperator):
     :param skip_on_exit_code: exit status, or statuses, that skip the task instead of failing it.
     :param attach_to: handle of a sandbox an earlier task provisioned with ``keep_sandbox=True``
         (templated), e.g. ``"{{ ti.xcom_pull(task_ids='provision') }}"``. Needs an attachable backend.
-    :param owner: with ``attach_to``, the owner the sandbox must carry (default: this Dag run).
-        With ``keep_sandbox=True``, the owner stamped on the new sandbox (default: this Dag run).
+    :param sandbox_owner: with ``attach_to``, the owner the sandbox must carry (default: this Dag
+        run). With ``keep_sandbox=True``, the owner stamped on the new sandbox (default: this Dag run).
+        Airflow's own ``owner`` (the task's owner in the UI, often set in ``default_args``) is separate.
     :param keep_sandbox: None (default) destroys a sandbox this task provisioned and releases one it
         attached to. True leaves the sandbox standing for later tasks and returns its handle as the
-        XCom; on an attachable backend a new sandbox is stamped with ``owner`` unless ``spec.owner``
+        XCom; on an attachable backend a new sandbox is stamped with ``sandbox_owner`` unless ``spec.owner``
         is set. False destroys the sandbox even when attached: for the task that collects and cleans up.
         A failed task never leaves a sandbox it provisioned behind.
     :returns: (XCom) with ``keep_sandbox=True``, the handle; otherwise
@@ -138,7 +125,7 @@ class SandboxOperator(BaseOperator):
         max_export_bytes: int = DEFAULT_MAX_EXPORT_BYTES,
         skip_on_exit_code: int | Collection[int] | None = None,
         attach_to: str | None = None,
-        owner: str | None = None,
+        sandbox_owner: str | None = None,
         keep_sandbox: bool | None = None,
         **kwargs: Any,
     ) -> None:
@@ -156,37 +143,25 @@ class SandboxOperator(BaseOperator):
                 "backend must be a sandbox hook, the id of a sandbox connection, or None for the local "
                 f"backend; got {backend!r}."
             )
-        if spec is not None and not isinstance(spec, SandboxSpec):
-            raise ValueError(f"spec must be a SandboxSpec, got {type(spec).__name__}.")
-        if keep_sandbox not in (None, True, False):
-            raise ValueError(f"keep_sandbox must be None, True or False, got {keep_sandbox!r}.")
-        if attach_to is not None and not _is_reference(attach_to):
-            if not isinstance(attach_to, str) or not attach_to.strip() or attach_to.strip() == "None":
-                raise ValueError(
-                    f"attach_to is {attach_to!r}, which is not a sandbox handle. Pass the handle the provisioning "
-                    "task returned, e.g. \"{{ ti.xcom_pull(task_ids='provision') }}\", or drop attach_to."
-                )
-            if spec is not None:
-                raise ValueError(
-                    "spec cannot be combined with attach_to: the sandbox already exists with its own spec. Set the "
-                    "spec on the task that provisions it."
-                )
-            if isinstance(backend, SandboxHook) and not backend.attachable:
-                raise ValueError(
-                    f"attach_to needs a backend that can find a sandbox from another task, and {backend.name!r} "
-                    "cannot. Drop attach_to to provision a sandbox here, or use an attachable backend such as "
-                    "the local one."
-                )
-        if owner is not None:
-            if not isinstance(owner, str) or not owner.strip():
-                raise ValueError(f"owner must be a non-empty string or None, got {owner!r}.")
-            if attach_to is None and keep_sandbox is not True:
-                raise ValueError(
-                    "owner applies to a sandbox shared between tasks: pass it with attach_to (the owner to check) "
-                    "or with keep_sandbox=True (the owner to stamp)."
-                )
-            if spec is not None and spec.owner is not None and spec.owner != owner:
-                raise ValueError(f"owner={owner!r} contradicts spec.owner={spec.owner!r}; give one of them.")
+        if isinstance(backend, SandboxHook) and attach_to is not None and not backend.attachable:
+            raise ValueError(
+                f"attach_to needs a backend that can find a sandbox from another task, and {backend.name!r} "
+                "cannot. Drop attach_to to provision a sandbox here, or use an attachable backend such as "
+                "the local one."
+            )
+        self._options = SessionOptions(
+            spec=spec,
+            attach_to=attach_to,
+            sandbox_owner=sandbox_owner,
+            files=files or {},
+            inputs=inputs or {},
+            exports=exports or {},
+            input_conn_id=input_conn_id,
+            export_conn_id=export_conn_id,
+            max_export_bytes=max_export_bytes,
+            keep=keep_sandbox,
+            templated=True,
+        )
         check_positive(timeout, "timeout")
         check_byte_count(max_output_bytes, "max_output_bytes")
         check_byte_count(max_export_bytes, "max_export_bytes")
@@ -194,17 +169,17 @@ class SandboxOperator(BaseOperator):
         self.command = command
         self.backend = backend
         self.spec = spec
-        self.files = check_transfer_map(files, "files", urls=False)
-        self.inputs = check_transfer_map(inputs, "inputs", urls=True, templated=True)
-        self.exports = check_transfer_map(exports, "exports", urls=True, templated=True)
-        self.input_conn_id = _check_conn_id(input_conn_id, "input_conn_id")
-        self.export_conn_id = _check_conn_id(export_conn_id, "export_conn_id")
+        self.files = self._options.files
+        self.inputs = self._options.inputs
+        self.exports = self._options.exports
+        self.input_conn_id = input_conn_id
+        self.export_conn_id = export_conn_id
         self.timeout = float(timeout)
         self.max_output_bytes = int(max_output_bytes)
         self.max_export_bytes = int(max_export_bytes)
         self.skip_on_exit_code = _check_exit_codes(skip_on_exit_code)
         self.attach_to = attach_to
-        self.owner = owner
+        self.sandbox_owner = sandbox_owner
         self.keep_sandbox = keep_sandbox
         self._session: SandboxSession | None = None
 
@@ -232,34 +207,12 @@ class SandboxOperator(BaseOperator):
 
     # -- running -----------------------------------------------------------------------------------------
 
-    def _spec_for(self, hook: SandboxHook, context: Context) -> SandboxSpec | None:
-        if self.attach_to is not None:
-            return None
-        spec = self.spec or SandboxSpec()
-        if self.keep_sandbox is True and hook.attachable and spec.owner is None:
-            # Stamp the sandbox so a later task of this run can attach to it.
-            spec = dataclasses.replace(spec, owner=self.owner or dag_run_owner(context))
-        return spec
-
     def _new_session(self, context: Context, files: Mapping[str, str | bytes]) -> SandboxSession:
-        hook = get_sandbox_hook(self.backend)
-        attach_to = self.attach_to
-        if attach_to is not None and not isinstance(attach_to, str):
-            attach_to = str(attach_to)
-        return SandboxSession(
-            hook,
-            spec=self._spec_for(hook, context),
-            attach_to=attach_to,
-            owner=self.owner if attach_to is not None else None,
-            files=files,
-            inputs=self.inputs,
-            input_conn_id=self.input_conn_id,
-            exports=self.exports,
-            export_conn_id=self.export_conn_id,
-            max_export_bytes=self.max_export_bytes,
-            keep=self.keep_sandbox,
-            context=context,
+        # The templated fields are rendered by now: check them again, before anything is provisioned.
+        options = self._options.rendered(
+            attach_to=self.attach_to, inputs=self.inputs, exports=self.exports, files=files
         )
+        return SandboxSession(get_sandbox_hook(self.backend), options, context=context)
 
     def execute(self, context: Context) -> Any:
         command, files = self._prepare(context)

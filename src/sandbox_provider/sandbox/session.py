@@ -17,19 +17,16 @@ from typing import Any
 
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 from sandbox_provider.sandbox.hook import OutputCallback, SandboxHook, check_command
+from sandbox_provider.sandbox.options import SessionOptions
 from sandbox_provider.sandbox.spec import (
     AttachedSandbox,
     SandboxExecResult,
-    SandboxSpec,
     check_byte_count,
     check_positive,
     dag_run_owner,
-    is_sandbox_handle,
 )
 from sandbox_provider.sandbox.transfer import (
-    DEFAULT_MAX_EXPORT_BYTES,
     ExportRecord,
-    check_transfer_map,
     export_files,
     open_storage_path,
     stage_files,
@@ -65,6 +62,9 @@ class SandboxSession:
     the block succeeded.
 
     :param hook: the backend.
+    :param options: what to do with the sandbox (:class:`SessionOptions`); or give its fields as
+        keyword arguments instead (``spec``, ``attach_to``, ``files``, ``inputs``, ``exports``, ...),
+        with ``owner`` for its ``sandbox_owner``. Checked, with the backend, before anything is provisioned.
     :param spec: the spec to provision with; None means ``SandboxSpec()`` (no network, no env).
     :param attach_to: handle of a sandbox another task provisioned; needs an attachable backend.
     :param owner: the owner the attached sandbox must carry. Default: the current Dag run
@@ -87,55 +87,37 @@ class SandboxSession:
     def __init__(
         self,
         hook: SandboxHook,
+        options: SessionOptions | None = None,
         *,
-        spec: SandboxSpec | None = None,
-        attach_to: str | None = None,
-        owner: str | None = None,
         holder: str | None = None,
-        files: Mapping[str, str | bytes] | None = None,
-        inputs: Mapping[str, str] | None = None,
-        input_conn_id: str | None = None,
-        exports: Mapping[str, str] | None = None,
-        export_conn_id: str | None = None,
-        max_export_bytes: int = DEFAULT_MAX_EXPORT_BYTES,
-        keep: bool | None = None,
         context: Mapping[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        owner: str | None = None,
+        **fields: Any,
     ) -> None:
         if not isinstance(hook, SandboxHook):
             raise ValueError(f"A sandbox session needs a SandboxHook, got {type(hook).__name__}.")
+        if options is None:
+            if fields.get("attach_to") is not None:  # a handle that rendered to nothing is terminal
+                fields["attach_to"] = SessionOptions().rendered(attach_to=fields["attach_to"]).attach_to
+            options = SessionOptions(sandbox_owner=owner, **fields)
+        elif owner is not None or fields:
+            raise ValueError("Pass either options or the separate keyword arguments, not both.")
+        options.check_backend(hook)
         self.hook = hook
-        self.attach_mode = attach_to is not None
-        if self.attach_mode:
-            if not hook.attachable:
-                raise ValueError(
-                    f"attach_to needs a backend that can find a sandbox from another task, and {hook.name!r} "
-                    "cannot. Drop attach_to to provision a sandbox here, or provision on an attachable backend."
-                )
-            if not is_sandbox_handle(attach_to):
-                raise SandboxTerminalError(
-                    f"attach_to is {attach_to!r}, which is not a sandbox handle. The task that provisions the "
-                    "sandbox returned nothing, or this task ran before it; check the upstream task and its XCom."
-                )
-            if spec is not None:
-                raise ValueError(
-                    "spec cannot be combined with attach_to: the sandbox already exists with its own spec."
-                )
-        elif owner is not None:
-            raise ValueError("owner only applies together with attach_to.")
-        if spec is not None and not isinstance(spec, SandboxSpec):
-            raise ValueError(f"spec must be a SandboxSpec, got {type(spec).__name__}.")
-        self.spec = spec if spec is not None or self.attach_mode else SandboxSpec()
-        self.attach_to = attach_to.strip() if self.attach_mode else None
-        self.files = check_transfer_map(files, "files", urls=False)
-        self.inputs = check_transfer_map(inputs, "inputs", urls=True)
-        self.exports = check_transfer_map(exports, "exports", urls=True)
-        self.input_conn_id = input_conn_id
-        self.export_conn_id = export_conn_id
-        self.max_export_bytes = int(check_byte_count(max_export_bytes, "max_export_bytes"))
-        self.keep = keep
+        self.options = options
+        self.attach_mode = options.attach_mode
+        self.spec = options.provision_spec(hook, context)
+        self.attach_to = options.attach_to
+        self.files = options.files
+        self.inputs = options.inputs
+        self.exports = options.exports
+        self.input_conn_id = options.input_conn_id
+        self.export_conn_id = options.export_conn_id
+        self.max_export_bytes = options.max_export_bytes
+        self.keep = options.keep
+        self._owner = options.sandbox_owner if self.attach_mode else None
         self._context = context
-        self._owner = owner
         self._holder = holder
         self._clock = clock
         self._lock = threading.RLock()

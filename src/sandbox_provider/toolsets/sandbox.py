@@ -23,6 +23,7 @@ from typing_extensions import TypedDict
 
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
 from sandbox_provider.sandbox.hook import SandboxHook
+from sandbox_provider.sandbox.options import SessionOptions
 from sandbox_provider.sandbox.output import (
     MASK_MARGIN_BYTES,
     file_window,
@@ -34,7 +35,7 @@ from sandbox_provider.sandbox.output import (
 )
 from sandbox_provider.sandbox.session import SandboxSession
 from sandbox_provider.sandbox.spec import OWNER_TAG, SandboxSpec, check_byte_count, check_positive
-from sandbox_provider.sandbox.transfer import DEFAULT_MAX_EXPORT_BYTES, check_transfer_map
+from sandbox_provider.sandbox.transfer import DEFAULT_MAX_EXPORT_BYTES
 
 __all__ = ["SandboxToolset"]
 
@@ -212,42 +213,41 @@ class SandboxToolset(AbstractToolset[Any]):
             raise ValueError(
                 f"tool_prefix must be a Python identifier such as 'py' or 'node_box', got {tool_prefix!r}."
             )
-        if spec is not None and not isinstance(spec, SandboxSpec):
-            raise ValueError(f"spec must be a SandboxSpec, got {type(spec).__name__}.")
-        exports_map = check_transfer_map(exports, "exports", urls=True, templated=True)
-        if attach_to is not None:
-            if not backend.attachable:
-                raise ValueError(
-                    "attach_to needs a backend whose sandboxes another task can pick up, and "
-                    f"{backend.name!r} is not one. Drop attach_to to let the toolset provision its own "
-                    "sandbox, or provision on an attachable backend such as LocalSandboxHook or "
-                    "ModalSandboxHook."
-                )
-            if not isinstance(attach_to, str) or not attach_to.strip():
-                raise ValueError(
-                    f"attach_to must be a sandbox handle or a template that renders to one, got {attach_to!r}."
-                )
-            if spec is not None:
-                raise ValueError(
-                    "spec cannot be combined with attach_to: the sandbox already exists, with the spec the "
-                    "task that provisioned it chose. Set the spec there."
-                )
-            if exports_map:
-                raise ValueError(
-                    "exports cannot be combined with attach_to: the attached sandbox outlives this run and "
-                    "belongs to the task that provisioned it, so collect its files in a later task."
-                )
-        else:
-            if owner is not None:
-                raise ValueError("owner only applies together with attach_to; drop it, or pass attach_to.")
-            if spec is not None and spec.owner is not None:
-                raise ValueError(
-                    "SandboxSpec.owner marks a sandbox for another task to attach to, but the toolset "
-                    "destroys the sandbox it provisions when the run ends. Provision it in a task with "
-                    "SandboxSpec(owner=...) and pass the handle as attach_to, or drop owner."
-                )
-        if owner is not None and (not isinstance(owner, str) or not owner.strip()):
-            raise ValueError(f"owner must be a non-empty string, got {owner!r}.")
+        if attach_to is not None and not backend.attachable:
+            raise ValueError(
+                "attach_to needs a backend whose sandboxes another task can pick up, and "
+                f"{backend.name!r} is not one. Drop attach_to to let the toolset provision its own "
+                "sandbox, or provision on an attachable backend such as LocalSandboxHook or "
+                "ModalSandboxHook."
+            )
+        if attach_to is not None and (not isinstance(attach_to, str) or not attach_to.strip()):
+            raise ValueError(
+                f"attach_to must be a sandbox handle or a template that renders to one, got {attach_to!r}."
+            )
+        if owner is not None and attach_to is None:
+            raise ValueError("owner only applies together with attach_to; drop it, or pass attach_to.")
+        self._options = SessionOptions(
+            spec=spec,
+            attach_to=attach_to,
+            sandbox_owner=owner,
+            exports=exports or {},
+            export_conn_id=export_conn_id,
+            max_export_bytes=max_export_bytes,
+            templated=True,
+        )
+        exports_map = dict(self._options.exports)
+        # What only an agent's toolset refuses: its own sandbox ends with the run.
+        if attach_to is not None and exports_map:
+            raise ValueError(
+                "exports cannot be combined with attach_to: the attached sandbox outlives this run and "
+                "belongs to the task that provisioned it, so collect its files in a later task."
+            )
+        if attach_to is None and spec is not None and spec.owner is not None:
+            raise ValueError(
+                "SandboxSpec.owner marks a sandbox for another task to attach to, but the toolset "
+                "destroys the sandbox it provisions when the run ends. Provision it in a task with "
+                "SandboxSpec(owner=...) and pass the handle as attach_to, or drop owner."
+            )
         if export_conn_id is not None and not exports_map:
             raise ValueError("export_conn_id only applies together with exports; drop it, or pass exports.")
 
@@ -315,15 +315,9 @@ class SandboxToolset(AbstractToolset[Any]):
 
     def _new_session(self) -> SandboxSession:
         # The session checks the rendered handle, and takes owner and holder from the running task.
-        return SandboxSession(
-            self.backend,
-            spec=None if self._attach_mode else (self.spec or SandboxSpec()),
-            attach_to=self.attach_to if self._attach_mode else None,
-            owner=self.owner,
-            exports=self.exports or None,
-            export_conn_id=self.export_conn_id,
-            max_export_bytes=self.max_export_bytes,
-        )
+        attach_to = self.attach_to if self._attach_mode else None
+        options = self._options.rendered(attach_to=attach_to, exports=self.exports)
+        return SandboxSession(self.backend, options)
 
     def _open(self) -> None:
         if self._depth:
