@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import os
 from unittest import mock
 
 import pytest
@@ -55,7 +54,7 @@ def alias(x):
 
 @task.sandbox
 def where():
-    import os  # noqa: F811 - the body runs in the sandbox, which has only what it imports
+    import os
     import sys
 
     return {"cwd": os.getcwd(), "secret": os.environ.get("WORKER_SECRET"), "python": sys.executable}
@@ -121,7 +120,7 @@ def takes_any(value):
 @task.sandbox
 def forges_a_hostile_result(kind):
     import glob
-    import os  # noqa: F811 - the body runs in the sandbox, which has only what it imports
+    import os
 
     (directory,) = glob.glob(".airflow-sandbox-task/*/")
     hostile = {"nan": "NaN", "deep": "[" * 200000 + "]" * 200000, "bytes": "\udcff"}[kind]
