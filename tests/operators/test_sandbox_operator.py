@@ -333,14 +333,14 @@ def test_keep_sandbox_without_command_provisions_and_stages(hook, tmp_path):
 
 
 def test_keep_sandbox_owner_argument_is_stamped(hook):
-    handle = SandboxOperator(task_id="p", backend=hook, command=None, keep_sandbox=True, sandbox_owner="team-a").execute(
-        make_context()
-    )
+    handle = SandboxOperator(
+        task_id="p", backend=hook, command=None, keep_sandbox=True, sandbox_owner="team-a"
+    ).execute(make_context())
     try:
         assert hook.read_tags(handle)[OWNER_TAG] == "team-a"
-        result = SandboxOperator(task_id="u", backend=hook, attach_to=handle, sandbox_owner="team-a", command="true").execute(
-            make_context(run_id="another-run")
-        )
+        result = SandboxOperator(
+            task_id="u", backend=hook, attach_to=handle, sandbox_owner="team-a", command="true"
+        ).execute(make_context(run_id="another-run"))
         assert result["exit_code"] == 0
     finally:
         hook.destroy(handle)
