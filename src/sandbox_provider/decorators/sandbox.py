@@ -233,7 +233,7 @@ class _SandboxDecoratedOperator(DecoratedOperator, SandboxOperator):
             raise ValueError(f"max_result_bytes must be a positive number of bytes, got {max_result_bytes!r}.")
         shipped_source(python_callable)  # a function whose source cannot be shipped fails at parse time
         super().__init__(python_callable=python_callable, command="(built from the function)", **kwargs)
-        _check_arguments(self.op_args, self.op_kwargs, allow_references=True)
+        _check_arguments(list(self.op_args), self.op_kwargs, allow_references=True)
         self.python = python
         self.max_result_bytes = max_result_bytes
         self._call_dir: str | None = None
@@ -255,7 +255,7 @@ class _SandboxDecoratedOperator(DecoratedOperator, SandboxOperator):
             if name in given or name not in KNOWN_CONTEXT_KEYS or param.kind is inspect.Parameter.VAR_KEYWORD:
                 continue
             if name in context:
-                kwargs[name] = _context_value(name, context[name])
+                kwargs[name] = _context_value(name, context[name])  # type: ignore[literal-required]
         _check_arguments(args, kwargs, allow_references=False)
         return {"args": args, "kwargs": kwargs}
 

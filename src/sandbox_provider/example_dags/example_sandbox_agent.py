@@ -19,6 +19,7 @@ up when the agent task runs, never when this file is parsed. ``output_base`` def
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import Any
 
 from airflow.providers.common.ai.operators.agent import AgentOperator
 from airflow.sdk import DAG, ObjectStoragePath, Param, TriggerRule, task
@@ -40,7 +41,7 @@ A-1003;Initech Ltd;31.01.2024;12.000,00;GB
 """
 
 
-DAG_ARGS = {
+DAG_ARGS: dict[str, Any] = {
     "schedule": None,
     "start_date": datetime(2024, 1, 1, tzinfo=UTC),
     "catchup": False,

@@ -137,7 +137,7 @@ with DAG(
         lines = text.splitlines()
         return {"report": url, "carriers": len(lines) - 1, "top": lines[1] if len(lines) > 1 else None}
 
-    show_report(carrier_stats.output)
+    show_report(carrier_stats.output)  # type: ignore[arg-type]  # an XComArg, resolved at run time
 
 
 if __name__ == "__main__":

@@ -440,7 +440,7 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
         readers = {proc.stderr: driver.bytes_reader(output.stderr)}
         if proc.stdout is not None:
             readers[proc.stdout] = driver.bytes_reader(output.stdout)
-        feeder = driver.feed(proc.stdin, stdin) if stdin is not None else None
+        feeder = driver.feed(proc.stdin, stdin) if stdin is not None and proc.stdin is not None else None
         try:
             timed_out = driver.pump(proc, readers, timeout)
         except BaseException:

@@ -462,7 +462,7 @@ class SandboxToolset(AbstractToolset[Any]):
                 toolset=self,
                 tool_def=tool_def,
                 max_retries=_TOOL_RETRIES,
-                args_validator=_ARGS[self._operation(tool_def.name)].validator,
+                args_validator=_ARGS[self._operation(tool_def.name)].validator,  # type: ignore[arg-type]
             )
             for tool_def in self.tool_definitions()
         }

@@ -8,7 +8,7 @@ DEFAULT_SANDBOX_TIMEOUT = 3600.0
 DEFAULT_MAX_PROCESSES = 1024
 #: The user a root worker runs sandboxes as.
 DEFAULT_SANDBOX_UID = 65534
-_BYTES = {"kind": int, "minimum": 1, "unit": "bytes"}
+_BYTES: dict = {"kind": int, "minimum": 1, "unit": "bytes"}
 
 SETTINGS = SettingsTable(
     Setting(

@@ -11,7 +11,7 @@ def _call():
         call = json.load(handle)
     with open(source_path, encoding="utf-8") as handle:
         code = compile(handle.read(), source_path, "exec")
-    namespace = {"__name__": "__sandbox_task__", "__file__": source_path}
+    namespace: dict = {"__name__": "__sandbox_task__", "__file__": source_path}
     exec(code, namespace)
     value = namespace[name](*call["args"], **call["kwargs"])
     try:
