@@ -48,3 +48,35 @@ def test_airflow_finds_the_decorator_and_hooks():
     hooks = ProvidersManagerTaskRuntime().hooks
     assert hooks["sandbox_local"].hook_class_name == "sandbox_provider.hooks.local.LocalSandboxHook"
     assert hooks["sandbox_local"].connection_testable
+
+
+def test_form_fields_and_the_settings_hooks_read_are_one_list():
+    from sandbox_provider.get_provider_info import connection_forms
+    from sandbox_provider.hooks import hook_class
+
+    forms = connection_forms()
+    assert {form.conn_type for _, form in forms} == {"sandbox_local", "sandbox_docker"} | {
+        form.conn_type for _, form in forms
+    }
+    for path, form in forms:
+        module, _, name = path.rpartition(".")
+        cls = hook_class(f"{module}:{name}")
+        assert cls.settings is form.settings and cls.conn_type == form.conn_type
+        fields = form.settings.form_fields()
+        assert set(fields) == {s.name for s in form.settings if s.form}
+        for field in fields.values():
+            assert field["label"] and field["description"], field
+        hook = cls()
+        assert set(hook._args) <= set(form.settings.names)
+        # Every setting the hook's code reads is in the table (or a standard connection field), and every
+        # setting in the table is read somewhere.
+        import inspect
+        import re
+
+        source = inspect.getsource(importlib.import_module(module))
+        source += inspect.getsource(importlib.import_module("sandbox_provider.sandbox.hook"))
+        read = set(re.findall(r"settings\[[\"'](\w+)[\"']\]", source))
+        read |= set(re.findall(r"_resolved\(\)(?:\[|\.get\()[\"'](\w+)[\"']", source))
+        assert read, f"found no settings read in {module}"
+        assert read - {"host", "login", "password"} <= set(form.settings.names), read
+        assert set(form.settings.names) <= read, set(form.settings.names) - read

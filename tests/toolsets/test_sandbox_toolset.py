@@ -23,11 +23,12 @@ from pydantic_ai.messages import (
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 
 from conftest import requires_bwrap
+from fake_hook import FakeSandboxHook
 from sandbox_provider.hooks.local import LocalSandboxHook
 from sandbox_provider.sandbox import SandboxSpec, SandboxTerminalError
 from sandbox_provider.sandbox.errors import SandboxError
-from sandbox_provider.sandbox.hook import RunOutcome, SandboxHook
-from sandbox_provider.sandbox.spec import HOLDER_TAG, OWNER_TAG, SandboxExecResult
+from sandbox_provider.sandbox.hook import RunOutcome
+from sandbox_provider.sandbox.spec import HOLDER_TAG, OWNER_TAG
 from sandbox_provider.toolsets import SandboxToolset
 from sandbox_provider.toolsets.sandbox import MASK_MARGIN_BYTES
 
@@ -589,19 +590,11 @@ def test_async_block_and_error_inside_exports_nothing(local, state_root, tmp_pat
 # -- construction ----------------------------------------------------------------------------------------
 
 
-class _PlainHook(SandboxHook):
+class _PlainHook(FakeSandboxHook):
     """A backend whose sandboxes nobody else can pick up."""
 
     name = "plain"
-
-    def create(self, *, spec=None):  # pragma: no cover - never called
-        raise AssertionError
-
-    def run_command(self, handle, command, *, timeout, max_output_bytes):  # pragma: no cover
-        return SandboxExecResult(0, "", "")
-
-    def destroy(self, handle):  # pragma: no cover
-        pass
+    attachable = False
 
 
 BOUNDS = [
@@ -621,8 +614,10 @@ def test_bounds_must_be_positive_and_finite(local, field, value):
     if field == "default_command_timeout" and value is True:
         kwargs["max_command_timeout"] = 300
     if field.endswith("timeout"):
-        if value == 0.5:
-            return  # half a second is a fine timeout
+        if value == 0.5:  # half a second is a fine timeout
+            kwargs.setdefault("default_command_timeout", 0.5)
+            assert getattr(SandboxToolset(local, **kwargs), field) == 0.5
+            return
         expected = f"{field} must be a positive finite number"
     else:
         expected = f"{field} must be a whole, positive number"

@@ -453,13 +453,11 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
             with contextlib.suppress(OSError):
                 os.unlink(marker)
             status = driver.read_status(status_r)
+        if not os.path.isdir(path):  # destroyed while the command ran, however far bwrap had got
+            return RunOutcome(exit_code=-1, timed_out=timed_out, sandbox_terminated=True)
         if not timed_out and "child-pid" not in status:
-            if not os.path.isdir(path):
-                raise SandboxTerminalError(f"Sandbox {handle} was destroyed while a command ran in it.")
             message = output.err.text().strip() or f"bwrap exited with status {proc.returncode}"
             raise SandboxTerminalError(f"bubblewrap could not set up the sandbox on this worker: {message}")
-        if not os.path.isdir(path):
-            return RunOutcome(exit_code=-1, timed_out=timed_out, sandbox_terminated=True)
         exit_code = status.get("exit-code", proc.returncode)
         return RunOutcome(exit_code=int(exit_code) if isinstance(exit_code, int) else -1, timed_out=timed_out)
 
