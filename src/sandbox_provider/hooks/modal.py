@@ -14,7 +14,6 @@ that build a :class:`ModalSandboxHook` parse on machines without the ``modal`` e
 from __future__ import annotations
 
 import io
-import ipaddress
 import logging
 import math
 import posixpath
@@ -26,6 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any, TypeVar
 
+from sandbox_provider.hooks import _modal_driver as driver
+from sandbox_provider.hooks._modal_driver import MAX_BACKOFF  # noqa: F401 - part of this module's API
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.attach import Attachable
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
@@ -68,186 +69,13 @@ MAX_SANDBOX_TIMEOUT = 24 * 3600
 MIN_SANDBOX_TIMEOUT = int(FILE_OP_TIMEOUT)
 EGRESS_ENFORCEMENTS = ("strict", "sni")
 
-INSTALL_HINT = "pip install 'airflow-provider-sandbox[modal]'"
 
 #: Seconds allowed for provisioning, retries of transient API errors included.
 CREATE_BUDGET = 180.0
 #: Seconds the output readers may run past a command's deadline before we stop waiting for them.
 STREAM_GRACE = 30.0
-#: Longest pause between two attempts of a call that hit a transient API error, in seconds.
-MAX_BACKOFF = 8.0
-
-_HOSTNAME_LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
-
-# Address ranges a sandbox can never reach through Modal's address allowlist, or must not try to:
-# private networks, loopback, link-local (cloud metadata), shared address space, multicast, reserved.
-_UNREACHABLE_V4 = tuple(
-    ipaddress.IPv4Network(net)
-    for net in (
-        "0.0.0.0/8",
-        "10.0.0.0/8",
-        "100.64.0.0/10",
-        "127.0.0.0/8",
-        "169.254.0.0/16",
-        "172.16.0.0/12",
-        "192.0.0.0/24",
-        "192.168.0.0/16",
-        "198.18.0.0/15",
-        "224.0.0.0/4",
-        "240.0.0.0/4",
-    )
-)
 
 T = TypeVar("T")
-
-
-def _import_modal() -> Any:
-    """Return the ``modal`` module, or raise Airflow's optional-feature error with the install command."""
-    try:
-        import modal
-        import modal.exception
-    except ImportError as err:
-        from airflow.exceptions import AirflowOptionalProviderFeatureException
-
-        raise AirflowOptionalProviderFeatureException(
-            f"The Modal sandbox backend needs the modal SDK and the Modal provider. Install them with: {INSTALL_HINT}"
-        ) from err
-    return modal
-
-
-def _modal_hook_class() -> type:
-    _import_modal()
-    try:
-        from airflow.providers.modal.hooks.modal import ModalHook
-    except ImportError as err:
-        from airflow.exceptions import AirflowOptionalProviderFeatureException
-
-        raise AirflowOptionalProviderFeatureException(
-            f"The Modal sandbox backend reads credentials through apache-airflow-providers-modal, which is not "
-            f"installed. Install it with: {INSTALL_HINT}"
-        ) from err
-    return ModalHook
-
-
-# -- validation ------------------------------------------------------------------------------------
-
-
-def _whole_seconds(value: Any, name: str, *, low: int, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a whole number of seconds, got {value!r}.")
-    if value != int(value) or not low <= value <= high:
-        raise ValueError(f"{name} must be a whole number of seconds from {low} to {high}, got {value!r}.")
-    return int(value)
-
-
-def _check_image(image: Any) -> Any:
-    if isinstance(image, str):
-        if not image.strip() or any(ch.isspace() for ch in image):
-            raise ValueError(f"image must be a registry tag such as 'python:3.12-slim', got {image!r}.")
-        return image
-    modal = sys.modules.get("modal")
-    image_type = getattr(modal, "Image", None) if modal is not None else None
-    if isinstance(image_type, type) and isinstance(image, image_type):
-        return image
-    raise ValueError(
-        f"image must be a registry tag (a string) or a modal.Image, got {type(image).__name__}. Build one with "
-        "modal.Image.from_registry('python:3.12-slim').pip_install(...)."
-    )
-
-
-def _check_optional_text(value: Any, name: str) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value.strip():
-        raise ValueError(f"{name} must be a non-empty string or None, got {value!r}.")
-    return value
-
-
-def _check_region(region: Any) -> str | tuple[str, ...] | None:
-    if region is None or isinstance(region, str):
-        return _check_optional_text(region, "region")
-    if isinstance(region, Sequence) and region and all(isinstance(r, str) and r.strip() for r in region):
-        return tuple(region)
-    raise ValueError(f"region must be a region name, a non-empty list of them, or None, got {region!r}.")
-
-
-def _check_user_tags(tags: Any) -> dict[str, str]:
-    if tags is None:
-        return {}
-    if not isinstance(tags, Mapping):
-        raise ValueError(f"tags must map strings to strings, got {type(tags).__name__}.")
-    bad = sorted(str(k) for k, v in tags.items() if not isinstance(k, str) or not k or not isinstance(v, str))
-    if bad:
-        raise ValueError(f"tags must map non-empty strings to strings; these entries do not: {bad!r}.")
-    reserved = sorted(k for k in tags if k.startswith("airflow_"))
-    if reserved:
-        raise ValueError(
-            f"tags may not use the airflow_ prefix, which this backend keeps for its own stamps: {reserved!r}. "
-            "Rename them, e.g. 'dag_id' instead of 'airflow_dag_id'."
-        )
-    return dict(tags)
-
-
-def _cidr_allowlist(entries: Sequence[str]) -> list[str]:
-    """Return Modal's form of a CIDR allowlist, or refuse an entry it cannot or should not enforce."""
-    allowed: list[str] = []
-    for entry in entries:
-        text = entry.strip()
-        try:
-            net = ipaddress.ip_network(text, strict=True)
-        except ValueError:
-            try:
-                ipaddress.ip_network(text, strict=False)
-            except ValueError:
-                raise SandboxTerminalError(
-                    f"allow_egress_to_cidrs entry {entry!r} is not an IPv4 address range. Write it as "
-                    "'203.0.113.0/24' or a single address; put hostnames in allow_egress_to."
-                ) from None
-            raise SandboxTerminalError(
-                f"allow_egress_to_cidrs entry {entry!r} has host bits set, so it is unclear which range is meant. "
-                f"Write the network address, e.g. {str(ipaddress.ip_network(text, strict=False))!r}, or a "
-                "single address with /32."
-            ) from None
-        if net.version != 4:
-            raise SandboxTerminalError(
-                f"allow_egress_to_cidrs entry {entry!r} is IPv6; Modal's address allowlist takes IPv4 ranges "
-                "only. List the destination's IPv4 range instead."
-            )
-        if net.prefixlen == 0:
-            raise SandboxTerminalError(
-                f"allow_egress_to_cidrs entry {entry!r} matches every address, which is no allowlist at all. "
-                "Pass SandboxSpec(block_network=False) to open outbound access, or list narrower ranges."
-            )
-        clash = next((blocked for blocked in _UNREACHABLE_V4 if net.overlaps(blocked)), None)
-        if clash is not None:
-            raise SandboxTerminalError(
-                f"allow_egress_to_cidrs entry {entry!r} overlaps {clash}, a private, loopback, link-local or "
-                "reserved range that a Modal sandbox cannot reach. List only public IPv4 ranges."
-            )
-        canonical = str(net)
-        if canonical not in allowed:
-            allowed.append(canonical)
-    return allowed
-
-
-def _domain_allowlist(entries: Sequence[str]) -> list[str]:
-    allowed: list[str] = []
-    for entry in entries:
-        host = entry.strip().lower().rstrip(".")
-        labels = host[2:].split(".") if host.startswith("*.") else host.split(".")
-        is_address = True
-        try:
-            ipaddress.ip_address(host)
-        except ValueError:
-            is_address = False
-        if is_address or len(labels) < 2 or not all(_HOSTNAME_LABEL.match(label) for label in labels):
-            raise SandboxTerminalError(
-                f"allow_egress_to entry {entry!r} is not a hostname. Give a bare name such as 'pypi.org' or "
-                "'*.example.com': no scheme, port, path or IP address (put addresses in allow_egress_to_cidrs)."
-            )
-        if host not in allowed:
-            allowed.append(host)
-    return allowed
 
 
 @dataclass
@@ -326,30 +154,30 @@ class ModalSandboxHook(Attachable, SandboxHook):
         if modal_conn_id is not None and (not isinstance(modal_conn_id, str) or not modal_conn_id.strip()):
             raise ValueError(f"modal_conn_id must be a connection id or None, got {modal_conn_id!r}.")
         self.modal_conn_id = modal_conn_id
-        self.image = _check_image(image)
+        self.image = driver.check_image(image)
         if not isinstance(app_name, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", app_name):
             raise ValueError(f"app_name must be 1 to 64 letters, digits, '.', '_' or '-', got {app_name!r}.")
         self.app_name = app_name
         if not isinstance(create_app_if_missing, bool):
             raise ValueError(f"create_app_if_missing must be True or False, got {create_app_if_missing!r}.")
         self.create_app_if_missing = create_app_if_missing
-        self.sandbox_timeout = _whole_seconds(
+        self.sandbox_timeout = driver.whole_seconds(
             sandbox_timeout, "sandbox_timeout", low=MIN_SANDBOX_TIMEOUT, high=MAX_SANDBOX_TIMEOUT
         )
         self.idle_timeout = (
             None
             if idle_timeout is None
-            else _whole_seconds(idle_timeout, "idle_timeout", low=1, high=self.sandbox_timeout)
+            else driver.whole_seconds(idle_timeout, "idle_timeout", low=1, high=self.sandbox_timeout)
         )
         self.workdir = check_workdir(workdir)
         self.cpu = check_positive(cpu, "cpu", allow_none=True)
         if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0):
             raise ValueError(f"memory must be a positive whole number of MiB, got {memory!r}.")
         self.memory = memory
-        self.gpu = _check_optional_text(gpu, "gpu")
-        self.region = _check_region(region)
-        self.cloud = _check_optional_text(cloud, "cloud")
-        self.tags = _check_user_tags(tags)
+        self.gpu = driver.check_optional_text(gpu, "gpu")
+        self.region = driver.check_region(region)
+        self.cloud = driver.check_optional_text(cloud, "cloud")
+        self.tags = driver.check_user_tags(tags)
         if egress_enforcement not in EGRESS_ENFORCEMENTS:
             raise ValueError(
                 f"egress_enforcement must be 'strict' or 'sni', got {egress_enforcement!r}. 'sni' accepts "
@@ -372,7 +200,7 @@ class ModalSandboxHook(Attachable, SandboxHook):
     def get_conn(self) -> Any:
         """Return the ``ModalHook`` of apache-airflow-providers-modal that holds the credentials."""
         if self._modal_hook_instance is None:
-            self._modal_hook_instance = _modal_hook_class()(modal_conn_id=self.modal_conn_id)
+            self._modal_hook_instance = driver.modal_hook_class()(modal_conn_id=self.modal_conn_id)
         return self._modal_hook_instance
 
     def _client(self) -> Any:
@@ -389,110 +217,27 @@ class ModalSandboxHook(Attachable, SandboxHook):
         on_retry_error: Callable[[BaseException], T | None] | None = None,
         passthrough: tuple[type[BaseException], ...] = (),
     ) -> T:
-        """
-        Run one SDK call, retrying transient API errors until ``budget`` seconds have passed.
-
-        Other errors become :class:`SandboxError` or :class:`SandboxTerminalError` (see ``_translate``),
-        except those in ``passthrough``, which are raised as they are. ``on_retry_error`` may turn an
-        error seen on a second or later attempt into a result.
-        """
-        modal = _import_modal()
-        transient = self._transient_errors(modal)
-        deadline = self._monotonic() + budget
-        delay = 0.5
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return fn()
-            except transient as err:
-                now = self._monotonic()
-                if not retry or now + delay > deadline:
-                    raise SandboxTerminalError(
-                        f"Modal kept failing while {action}"
-                        + (f" for sandbox {handle!r}" if handle else "")
-                        + f" ({type(err).__name__}: {err}); gave up after {attempt} attempt(s). "
-                        "Airflow's task retries can try again later."
-                    ) from err
-                log.warning("Transient Modal error while %s (attempt %d): %s; retrying", action, attempt, err)
-                self._sleep(delay)
-                delay = min(delay * 2, MAX_BACKOFF)
-            except SandboxError:
-                raise
-            except passthrough:
-                raise
-            except Exception as err:
-                if attempt > 1 and on_retry_error is not None:
-                    recovered = on_retry_error(err)
-                    if recovered is not None:
-                        return recovered
-                raise self._translate(err, action, handle) from err
-
-    @staticmethod
-    def _transient_errors(modal: Any) -> tuple[type[BaseException], ...]:
-        exc = modal.exception
-        return (
-            exc.ConnectionError,
-            exc.InternalError,
-            exc.InternalFailure,
-            exc.ServiceError,
-            exc.ResourceExhaustedError,
-            ConnectionError,
+        """One SDK call, with transient errors retried for ``budget`` seconds; see :func:`driver.call`."""
+        return driver.call(
+            action,
+            fn,
+            handle=handle,
+            budget=budget if retry else 0.0,
+            on_retry_error=on_retry_error,
+            passthrough=passthrough,
+            translate=self._translate,
+            monotonic=self._monotonic,
+            sleep=self._sleep,
         )
 
     def _translate(self, err: BaseException, action: str, handle: str | None) -> SandboxError:
         """Map an error from the SDK or the Modal provider to this package's errors."""
-        from airflow.exceptions import AirflowNotFoundException
-
-        what = f"sandbox {handle!r}" if handle else "Modal"
-        if isinstance(err, AirflowNotFoundException):
-            return SandboxTerminalError(
-                f"The Airflow connection {self.modal_conn_id!r} is not defined. Create a 'modal' connection with "
-                "that id (token id as login, token secret as password), or pass modal_conn_id=None to use the "
-                "worker's own Modal configuration."
-            )
-        if type(err).__name__ == "ModalConnectionError":
-            return SandboxTerminalError(f"The Modal credentials cannot be used: {err}")
-        exc = sys.modules["modal"].exception
-        if isinstance(err, exc.AuthError):
-            return SandboxTerminalError(
-                f"Modal rejected the credentials from {self._credential_source()} while {action}: {err}. "
-                "Check the token id and secret (modal token new makes a fresh pair) and the environment."
-            )
-        if isinstance(err, exc.PermissionDeniedError):
-            return SandboxTerminalError(
-                f"The credentials from {self._credential_source()} may not do this while {action}: {err}. "
-                "Use a token of a workspace and environment that holds the app."
-            )
-        if isinstance(err, exc.ExecTimeoutError):
-            return SandboxError(f"A command in {what} ran out of time while {action}: {err}")
-        if isinstance(err, (exc.NotFoundError, exc.SandboxTerminatedError, exc.SandboxTimeoutError)):
-            if handle is None:
-                return SandboxTerminalError(f"Modal could not find what it needed while {action}: {err}")
+        error = driver.translate(
+            err, action, handle, conn_id=self.modal_conn_id, source=self._credential_source(), has_ended=self._has_ended
+        )
+        if handle is not None and isinstance(error, driver.Gone):
             self._tracked.pop(handle, None)
-            return SandboxTerminalError(
-                f"Sandbox {handle!r} is gone (ended, past its lifetime, or never existed) while {action}: {err}. "
-                "Its files went with it; provision a new sandbox."
-            )
-        if isinstance(err, exc.SandboxFilesystemError):
-            reasons = {
-                "SandboxFilesystemNotFoundError": "the path does not exist",
-                "SandboxFilesystemNotADirectoryError": "a part of the path is not a directory",
-                "SandboxFilesystemIsADirectoryError": "the path is a directory",
-                "SandboxFilesystemPermissionError": "permission denied",
-            }
-            reason = next((text for name, text in reasons.items() if type(err).__name__ == name), "it failed")
-            return SandboxError(f"{action.capitalize()} did not work in {what}: {reason} ({err}).")
-        if isinstance(err, exc.ConflictError):  # before InvalidError, its parent
-            return SandboxTerminalError(f"Sandbox {handle!r} is shutting down; {action} was refused: {err}")
-        if isinstance(err, exc.InvalidError):
-            return SandboxTerminalError(f"Modal refused the request while {action}: {err}")
-        if isinstance(err, exc.Error):
-            if handle is not None and self._has_ended(handle):
-                self._tracked.pop(handle, None)
-                return SandboxTerminalError(f"Sandbox {handle!r} ended while {action}: {err}")
-            return SandboxError(f"Modal reported an error while {action} in {what}: {err}")
-        return SandboxTerminalError(f"Unexpected error while {action} on Modal: {type(err).__name__}: {err}")
+        return error
 
     def _has_ended(self, handle: str) -> bool:
         tracked = self._tracked.get(handle)
@@ -522,9 +267,9 @@ class ModalSandboxHook(Attachable, SandboxHook):
                     "allow_egress_to_cidrs for destinations with fixed addresses (enforced per address), or a "
                     "bare SandboxSpec() with no allowlist, which blocks everything including DNS."
                 )
-            kwargs["outbound_domain_allowlist"] = _domain_allowlist(spec.allow_egress_to)
+            kwargs["outbound_domain_allowlist"] = driver.domain_allowlist(spec.allow_egress_to)
         if spec.allow_egress_to_cidrs:
-            kwargs["outbound_cidr_allowlist"] = _cidr_allowlist(spec.allow_egress_to_cidrs)
+            kwargs["outbound_cidr_allowlist"] = driver.cidr_allowlist(spec.allow_egress_to_cidrs)
         if "outbound_domain_allowlist" in kwargs and "outbound_cidr_allowlist" in kwargs:
             log.warning(
                 "Both allowlists are set: port 443 is open to any address whose TLS server name is on the "
@@ -552,7 +297,7 @@ class ModalSandboxHook(Attachable, SandboxHook):
     def _provision(self, request: ProvisionRequest) -> str:
         spec = request.spec
         network = self._network_kwargs(spec)
-        modal = _import_modal()
+        modal = driver.import_modal()
         name = request.name
         expires_at = request.expires_at
         tags = {**self.tags, **request.stamps, SANDBOX_MARKER_TAG: "true"}
@@ -645,8 +390,8 @@ class ModalSandboxHook(Attachable, SandboxHook):
         With ``ModalSandboxHook(tags={"dag_id": "etl"})`` provisioning, ``list_sandboxes({"dag_id": "etl"})``
         finds what that Dag left standing.
         """
-        wanted = {**_check_user_tags(tags), SANDBOX_MARKER_TAG: "true"}
-        modal = _import_modal()
+        wanted = {**driver.check_user_tags(tags), SANDBOX_MARKER_TAG: "true"}
+        modal = driver.import_modal()
         client = self._client()
         hook = self.get_conn()
         app = self._call(f"looking up app {self.app_name!r}", lambda: hook.lookup_app(self.app_name))
@@ -925,7 +670,7 @@ class ModalSandboxHook(Attachable, SandboxHook):
         # fine; any other failure is logged with the handle and not raised: Modal ends the sandbox at its
         # sandbox_timeout anyway.
         tracked = self._tracked.pop(handle, None)
-        exc = _import_modal().exception
+        exc = driver.import_modal().exception
         gone = (exc.NotFoundError, exc.SandboxTerminatedError)
         try:
             if tracked is None:

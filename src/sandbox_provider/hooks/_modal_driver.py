@@ -1,0 +1,328 @@
+"""
+Plain functions behind ``ModalSandboxHook``: importing the SDK, checking arguments, mapping the
+spec's egress fields to Modal's allowlists, and mapping SDK errors to the contract's errors.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import math
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
+
+INSTALL_HINT = "pip install 'airflow-provider-sandbox[modal]'"
+#: Longest pause between two attempts of a call that hit a transient API error, in seconds.
+MAX_BACKOFF = 8.0
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def import_modal() -> Any:
+    """Return the ``modal`` module, or raise Airflow's optional-feature error with the install command."""
+    try:
+        import modal
+        import modal.exception
+    except ImportError as err:
+        from airflow.exceptions import AirflowOptionalProviderFeatureException
+
+        raise AirflowOptionalProviderFeatureException(
+            f"The Modal sandbox backend needs the modal SDK and the Modal provider. Install them with: {INSTALL_HINT}"
+        ) from err
+    return modal
+
+
+def modal_hook_class() -> type:
+    """The ``ModalHook`` of apache-airflow-providers-modal, which holds the credentials."""
+    import_modal()
+    try:
+        from airflow.providers.modal.hooks.modal import ModalHook
+    except ImportError as err:
+        from airflow.exceptions import AirflowOptionalProviderFeatureException
+
+        raise AirflowOptionalProviderFeatureException(
+            f"The Modal sandbox backend reads credentials through apache-airflow-providers-modal, which is not "
+            f"installed. Install it with: {INSTALL_HINT}"
+        ) from err
+    return ModalHook
+
+
+_HOSTNAME_LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
+
+# Address ranges a sandbox can never reach through Modal's address allowlist, or must not try to:
+# private networks, loopback, link-local (cloud metadata), shared address space, multicast, reserved.
+_UNREACHABLE_V4 = tuple(
+    ipaddress.IPv4Network(net)
+    for net in (
+        "0.0.0.0/8",
+        "10.0.0.0/8",
+        "100.64.0.0/10",
+        "127.0.0.0/8",
+        "169.254.0.0/16",
+        "172.16.0.0/12",
+        "192.0.0.0/24",
+        "192.168.0.0/16",
+        "198.18.0.0/15",
+        "224.0.0.0/4",
+        "240.0.0.0/4",
+    )
+)
+
+
+# -- validation ------------------------------------------------------------------------------------
+
+
+def whole_seconds(value: Any, name: str, *, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a whole number of seconds, got {value!r}.")
+    if value != int(value) or not low <= value <= high:
+        raise ValueError(f"{name} must be a whole number of seconds from {low} to {high}, got {value!r}.")
+    return int(value)
+
+
+def check_image(image: Any) -> Any:
+    if isinstance(image, str):
+        if not image.strip() or any(ch.isspace() for ch in image):
+            raise ValueError(f"image must be a registry tag such as 'python:3.12-slim', got {image!r}.")
+        return image
+    modal = sys.modules.get("modal")
+    image_type = getattr(modal, "Image", None) if modal is not None else None
+    if isinstance(image_type, type) and isinstance(image, image_type):
+        return image
+    raise ValueError(
+        f"image must be a registry tag (a string) or a modal.Image, got {type(image).__name__}. Build one with "
+        "modal.Image.from_registry('python:3.12-slim').pip_install(...)."
+    )
+
+
+def check_optional_text(value: Any, name: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{name} must be a non-empty string or None, got {value!r}.")
+    return value
+
+
+def check_region(region: Any) -> str | tuple[str, ...] | None:
+    if region is None or isinstance(region, str):
+        return check_optional_text(region, "region")
+    if isinstance(region, Sequence) and region and all(isinstance(r, str) and r.strip() for r in region):
+        return tuple(region)
+    raise ValueError(f"region must be a region name, a non-empty list of them, or None, got {region!r}.")
+
+
+def check_user_tags(tags: Any) -> dict[str, str]:
+    if tags is None:
+        return {}
+    if not isinstance(tags, Mapping):
+        raise ValueError(f"tags must map strings to strings, got {type(tags).__name__}.")
+    bad = sorted(str(k) for k, v in tags.items() if not isinstance(k, str) or not k or not isinstance(v, str))
+    if bad:
+        raise ValueError(f"tags must map non-empty strings to strings; these entries do not: {bad!r}.")
+    reserved = sorted(k for k in tags if k.startswith("airflow_"))
+    if reserved:
+        raise ValueError(
+            f"tags may not use the airflow_ prefix, which this backend keeps for its own stamps: {reserved!r}. "
+            "Rename them, e.g. 'dag_id' instead of 'airflow_dag_id'."
+        )
+    return dict(tags)
+
+
+def cidr_allowlist(entries: Sequence[str]) -> list[str]:
+    """Return Modal's form of a CIDR allowlist, or refuse an entry it cannot or should not enforce."""
+    allowed: list[str] = []
+    for entry in entries:
+        text = entry.strip()
+        try:
+            net = ipaddress.ip_network(text, strict=True)
+        except ValueError:
+            try:
+                ipaddress.ip_network(text, strict=False)
+            except ValueError:
+                raise SandboxTerminalError(
+                    f"allow_egress_to_cidrs entry {entry!r} is not an IPv4 address range. Write it as "
+                    "'203.0.113.0/24' or a single address; put hostnames in allow_egress_to."
+                ) from None
+            raise SandboxTerminalError(
+                f"allow_egress_to_cidrs entry {entry!r} has host bits set, so it is unclear which range is meant. "
+                f"Write the network address, e.g. {str(ipaddress.ip_network(text, strict=False))!r}, or a "
+                "single address with /32."
+            ) from None
+        if net.version != 4:
+            raise SandboxTerminalError(
+                f"allow_egress_to_cidrs entry {entry!r} is IPv6; Modal's address allowlist takes IPv4 ranges "
+                "only. List the destination's IPv4 range instead."
+            )
+        if net.prefixlen == 0:
+            raise SandboxTerminalError(
+                f"allow_egress_to_cidrs entry {entry!r} matches every address, which is no allowlist at all. "
+                "Pass SandboxSpec(block_network=False) to open outbound access, or list narrower ranges."
+            )
+        clash = next((blocked for blocked in _UNREACHABLE_V4 if net.overlaps(blocked)), None)
+        if clash is not None:
+            raise SandboxTerminalError(
+                f"allow_egress_to_cidrs entry {entry!r} overlaps {clash}, a private, loopback, link-local or "
+                "reserved range that a Modal sandbox cannot reach. List only public IPv4 ranges."
+            )
+        canonical = str(net)
+        if canonical not in allowed:
+            allowed.append(canonical)
+    return allowed
+
+
+def domain_allowlist(entries: Sequence[str]) -> list[str]:
+    allowed: list[str] = []
+    for entry in entries:
+        host = entry.strip().lower().rstrip(".")
+        labels = host[2:].split(".") if host.startswith("*.") else host.split(".")
+        is_address = True
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            is_address = False
+        if is_address or len(labels) < 2 or not all(_HOSTNAME_LABEL.match(label) for label in labels):
+            raise SandboxTerminalError(
+                f"allow_egress_to entry {entry!r} is not a hostname. Give a bare name such as 'pypi.org' or "
+                "'*.example.com': no scheme, port, path or IP address (put addresses in allow_egress_to_cidrs)."
+            )
+        if host not in allowed:
+            allowed.append(host)
+    return allowed
+
+
+def transient_errors(modal: Any) -> tuple[type[BaseException], ...]:
+    """The SDK errors worth retrying a call for."""
+    exc = modal.exception
+    return (
+        exc.ConnectionError,
+        exc.InternalError,
+        exc.InternalFailure,
+        exc.ServiceError,
+        exc.ResourceExhaustedError,
+        ConnectionError,
+    )
+
+
+class Gone(SandboxTerminalError):
+    """The sandbox named in the error no longer exists."""
+
+
+def translate(
+    err: BaseException,
+    action: str,
+    handle: str | None,
+    *,
+    conn_id: str | None,
+    source: str,
+    has_ended: Callable[[str], bool],
+) -> SandboxError:
+    """
+    Map an error from the SDK or the Modal provider to this package's errors; ``gone`` says the
+    sandbox ``handle`` no longer exists. ``has_ended`` polls the sandbox when the error alone cannot tell.
+    """
+    from airflow.exceptions import AirflowNotFoundException
+
+    what = f"sandbox {handle!r}" if handle else "Modal"
+    if isinstance(err, AirflowNotFoundException):
+        return SandboxTerminalError(
+            f"The Airflow connection {conn_id!r} is not defined. Create a 'modal' connection with "
+            "that id (token id as login, token secret as password), or pass modal_conn_id=None to use the "
+            "worker's own Modal configuration."
+        )
+    if type(err).__name__ == "ModalConnectionError":
+        return SandboxTerminalError(f"The Modal credentials cannot be used: {err}")
+    exc = sys.modules["modal"].exception
+    if isinstance(err, exc.AuthError):
+        return SandboxTerminalError(
+            f"Modal rejected the credentials from {source} while {action}: {err}. "
+            "Check the token id and secret (modal token new makes a fresh pair) and the environment."
+        )
+    if isinstance(err, exc.PermissionDeniedError):
+        return SandboxTerminalError(
+            f"The credentials from {source} may not do this while {action}: {err}. "
+            "Use a token of a workspace and environment that holds the app."
+        )
+    if isinstance(err, exc.ExecTimeoutError):
+        return SandboxError(f"A command in {what} ran out of time while {action}: {err}")
+    if isinstance(err, (exc.NotFoundError, exc.SandboxTerminatedError, exc.SandboxTimeoutError)):
+        if handle is None:
+            return SandboxTerminalError(f"Modal could not find what it needed while {action}: {err}")
+        return Gone(
+            f"Sandbox {handle!r} is gone (ended, past its lifetime, or never existed) while {action}: {err}. "
+            "Its files went with it; provision a new sandbox."
+        )
+    if isinstance(err, exc.SandboxFilesystemError):
+        reasons = {
+            "SandboxFilesystemNotFoundError": "the path does not exist",
+            "SandboxFilesystemNotADirectoryError": "a part of the path is not a directory",
+            "SandboxFilesystemIsADirectoryError": "the path is a directory",
+            "SandboxFilesystemPermissionError": "permission denied",
+        }
+        reason = next((text for name, text in reasons.items() if type(err).__name__ == name), "it failed")
+        return SandboxError(f"{action.capitalize()} did not work in {what}: {reason} ({err}).")
+    if isinstance(err, exc.ConflictError):  # before InvalidError, its parent
+        return SandboxTerminalError(f"Sandbox {handle!r} is shutting down; {action} was refused: {err}")
+    if isinstance(err, exc.InvalidError):
+        return SandboxTerminalError(f"Modal refused the request while {action}: {err}")
+    if isinstance(err, exc.Error):
+        if handle is not None and has_ended(handle):
+            return Gone(f"Sandbox {handle!r} ended while {action}: {err}")
+        return SandboxError(f"Modal reported an error while {action} in {what}: {err}")
+    return SandboxTerminalError(f"Unexpected error while {action} on Modal: {type(err).__name__}: {err}")
+
+
+def call(
+    action: str,
+    fn: Callable[[], T],
+    *,
+    handle: str | None,
+    budget: float,
+    on_retry_error: Callable[[BaseException], T | None] | None,
+    passthrough: tuple[type[BaseException], ...],
+    translate: Callable[[BaseException, str, str | None], SandboxError],
+    monotonic: Callable[[], float],
+    sleep: Callable[[float], None],
+) -> T:
+    """
+    Run one SDK call, retrying transient API errors until ``budget`` seconds have passed (0: no retry).
+
+    Other errors become :class:`SandboxError` or :class:`SandboxTerminalError` through ``translate``,
+    except those in ``passthrough``, which are raised as they are. ``on_retry_error`` may turn an
+    error seen on a second or later attempt into a result.
+    """
+    modal = import_modal()
+    transient = transient_errors(modal)
+    deadline = monotonic() + budget
+    delay = 0.5
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except transient as err:
+            now = monotonic()
+            if now + delay > deadline:
+                raise SandboxTerminalError(
+                    f"Modal kept failing while {action}"
+                    + (f" for sandbox {handle!r}" if handle else "")
+                    + f" ({type(err).__name__}: {err}); gave up after {attempt} attempt(s). "
+                    "Airflow's task retries can try again later."
+                ) from err
+            log.warning("Transient Modal error while %s (attempt %d): %s; retrying", action, attempt, err)
+            sleep(delay)
+            delay = min(delay * 2, MAX_BACKOFF)
+        except SandboxError:
+            raise
+        except passthrough:
+            raise
+        except Exception as err:
+            if attempt > 1 and on_retry_error is not None:
+                recovered = on_retry_error(err)
+                if recovered is not None:
+                    return recovered
+            raise translate(err, action, handle) from err
