@@ -51,8 +51,8 @@ from sandbox_provider.hooks import _local_driver as driver
 from sandbox_provider.hooks.forms.local import FORM
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.attach import Attachable, expiry_of
-from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
-from sandbox_provider.sandbox.files import ShellFiles, check_export_size, file_failure, reported_size
+from sandbox_provider.sandbox.errors import SandboxFileTooLargeError, SandboxTerminalError
+from sandbox_provider.sandbox.files import ShellFiles, check_export_size, checked_size, file_failure, reported_size
 from sandbox_provider.sandbox.hook import (
     FILE_OP_TIMEOUT,
     Capabilities,
@@ -569,14 +569,7 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
             copied[0] = os.lseek(out_fd, 0, os.SEEK_CUR) - start
             if copied[0] > max_bytes:
                 raise SandboxFileTooLargeError(path, copied[0], max_bytes)
-        size = reported_size(result.stderr)
-        if result.exit_code == guest.TOO_LARGE_STATUS:
-            raise SandboxFileTooLargeError(path, size or max_bytes + 1, max_bytes)
-        if not result.ok:
-            raise file_failure(result, path, "exporting")
-        if size is None:
-            raise SandboxError("The sandbox did not report the size of the file being exported.")
-        check_export_size(path, size, copied[0])
+        check_export_size(path, checked_size(result, path, max_bytes, "exporting"), copied[0])
         return copied[0]
 
 

@@ -80,6 +80,23 @@ def check_export_size(path: str, expected: int, copied: int) -> None:
         )
 
 
+def checked_size(result: SandboxExecResult, path: str, max_bytes: int, verb: str) -> int:
+    """
+    The size ``file.sh`` reported for ``path``, once its command succeeded.
+
+    :raises SandboxFileTooLargeError: for the over-the-limit status.
+    :raises SandboxError: for any other failure, or no size reported.
+    """
+    size = reported_size(result.stderr)
+    if result.exit_code == guest.TOO_LARGE_STATUS:
+        raise SandboxFileTooLargeError(path, size or max_bytes + 1, max_bytes)
+    if not result.ok:
+        raise file_failure(result, path, verb)
+    if size is None:
+        raise SandboxError(f"The sandbox did not report the size of {path!r}.")
+    return size
+
+
 def parse_listing(path: str, result: SandboxExecResult) -> list[tuple[str, bool]]:
     """Turn the output of ``list.sh`` into sorted ``(name, is_directory)`` pairs, or raise what failed."""
     if not result.ok:
@@ -165,13 +182,7 @@ class ShellFiles:
         checked = self._shell(
             handle, guest.shell_command("file.sh", path, int(max_bytes), "check"), max_output_bytes=4096
         )
-        size = reported_size(checked.stderr)
-        if checked.exit_code == guest.TOO_LARGE_STATUS:
-            raise SandboxFileTooLargeError(path, size or max_bytes + 1, max_bytes)
-        if not checked.ok:
-            raise file_failure(checked, path, "exporting")
-        if size is None:
-            raise SandboxError("The sandbox did not report the size of the file being exported.")
+        size = checked_size(checked, path, max_bytes, "exporting")
         copied = 0
         while True:
             script = guest.shell_command("file.sh", path, "-", "chunk", copied, SHELL_CHUNK_BYTES)
