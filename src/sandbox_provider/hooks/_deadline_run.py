@@ -14,8 +14,9 @@ import math
 import shlex
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
-__all__ = ["PROGRAM", "STATUS_MARK", "DeadlineRun", "parse_status", "wrapper_argv", "wrapper_command"]
+__all__ = ["PROGRAM", "STATUS_MARK", "DeadlineRun", "parse_status", "replay", "wrapper_argv", "wrapper_command"]
 
 PROGRAM = "run_with_deadline.sh"
 #: The first word of the status line the guest program writes last on stderr.
@@ -98,3 +99,16 @@ def parse_status(stdout: str, stderr: str) -> DeadlineRun | None:
         stdout_bytes=out_bytes,
         stderr_bytes=err_bytes,
     )
+
+
+def replay(run: DeadlineRun, output: Any, keep_bytes: int) -> None:
+    """
+    Write what the guest program replayed into ``output`` (an ``OutputSink``), and mark a stream
+    truncated when the command wrote more than the ``keep_bytes`` that were replayed of it.
+    """
+    output.stdout(run.stdout)
+    output.stderr(run.stderr)
+    if run.stdout_bytes > keep_bytes:
+        output.out.truncated = True
+    if run.stderr_bytes > keep_bytes:
+        output.err.truncated = True

@@ -1,0 +1,90 @@
+"""
+Plumbing the hosted-service backends (Islo, Boat) share: a retry loop that never outlasts its
+deadline, ``Retry-After`` parsing, and the check of a service URL before an API key is sent to it.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import ipaddress
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+__all__ = ["FIRST_PAUSE", "LONGEST_PAUSE", "call", "check_service_url", "retry_after_seconds"]
+
+T = TypeVar("T")
+
+#: First and longest pause between two attempts of a call, in seconds.
+FIRST_PAUSE, LONGEST_PAUSE = 0.5, 8.0
+
+
+def retry_after_seconds(headers: Mapping[str, Any] | None) -> float | None:
+    """The pause, in seconds, a ``Retry-After`` header (seconds or an HTTP date) asks for; None without one."""
+    value = next((v for k, v in dict(headers or {}).items() if str(k).lower() == "retry-after"), None)
+    if value is None:
+        return None
+    text = str(value).strip()
+    if text.isdigit():
+        return float(text)
+    try:
+        when = email.utils.parsedate_to_datetime(text)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def call(
+    fn: Callable[[], T],
+    *,
+    until: float,
+    retry: Callable[[BaseException], bool],
+    retry_after: Callable[[BaseException], float | None],
+    clock: Callable[[], float],
+    sleep: Callable[[float], None],
+    attempts: int | None = None,
+) -> T:
+    """
+    Call ``fn`` until it returns, retrying the failures ``retry`` accepts while ``clock()`` stays
+    before ``until`` (and at most ``attempts`` calls in all, when given). Pauses grow from 0.5 s to
+    8 s, or last what ``retry_after(err)`` asks, and a pause that would end past ``until`` is not taken.
+
+    :raises: the last failure, when it may not be retried or time or attempts ran out.
+    """
+    pause = FIRST_PAUSE
+    made = 0
+    while True:
+        made += 1
+        try:
+            return fn()
+        except Exception as err:
+            if not retry(err) or (attempts is not None and made >= attempts):
+                raise
+            wait = max(pause, retry_after(err) or 0.0)
+            if clock() + wait >= until:
+                raise
+            sleep(wait)
+            pause = min(pause * 2, LONGEST_PAUSE)
+
+
+def check_service_url(url: str, what: str) -> str:
+    """
+    Return ``url`` without a trailing slash if an API key may be sent to it: ``https://``, or
+    ``http://`` to a loopback address (a local test server).
+
+    :raises ValueError: naming ``what`` (the setting) and what to give instead.
+    """
+    parts = urlsplit(str(url).strip())
+    host = parts.hostname or ""
+    loopback = host == "localhost"
+    try:
+        loopback = loopback or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    if not host or parts.scheme not in ("https", "http") or (parts.scheme == "http" and not loopback):
+        raise ValueError(
+            f"{what} must be an https:// URL such as 'https://api.example.com' (plain http:// only to a loopback "
+            f"address), got {url!r}: the API key would travel unencrypted or to nowhere."
+        )
+    return str(url).strip().rstrip("/")
