@@ -2,7 +2,9 @@
 A stand-in for the Islo service behind the real ``islo`` SDK, at its HTTP transport.
 
 :class:`FakeIslo` answers the control and compute APIs through ``httpx.MockTransport``: create, get
-and delete sandboxes, asynchronous exec with polled results, file download and upload. Each
+and delete sandboxes, asynchronous exec with polled results, file download and upload. A test can set a
+sandbox's ``status`` (``"paused"``, say): activity resumes a paused sandbox whose lifecycle says
+``auto_resume="on_activity"``, and is refused (409) otherwise. Each
 sandbox is a directory on the host that stands for the guest's ``/`` in the file API; commands
 really run there, as host processes under the given argv, in the sandbox's working directory, so
 output, exit statuses and files are real. Like the service, it caps each captured stream at 1 MiB
@@ -185,6 +187,9 @@ class FakeIslo:
             self.deleted.append(sandbox.name)
             shutil.rmtree(sandbox.root, ignore_errors=True)
             return httpx.Response(204)
+        lifecycle = sandbox.request.get("lifecycle") or {}
+        if sandbox.status == "paused" and lifecycle.get("auto_resume") == "on_activity":
+            sandbox.status = "running"  # activity resumes a paused sandbox
         if sandbox.status != "running":
             return _error(409, "SANDBOX_INVALID_STATE", f"sandbox is {sandbox.status}")
         if route == "exec":

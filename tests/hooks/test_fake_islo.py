@@ -161,3 +161,18 @@ def test_deleting_kills_running_commands(fake):
 def _wait_all(fake, name):
     for record in fake.sandboxes[name].execs.values():
         assert record.done.wait(60)
+
+
+def test_activity_resumes_a_paused_sandbox_only_when_its_lifecycle_allows(fake):
+    from islo.types import AutoResumePolicy, LifecyclePolicy
+
+    client = fake.client()
+    client.sandboxes.create_sandbox(name="sb-on", lifecycle=LifecyclePolicy(auto_resume=AutoResumePolicy.ON_ACTIVITY))
+    client.sandboxes.create_sandbox(name="sb-never", lifecycle=LifecyclePolicy(auto_resume=AutoResumePolicy.NEVER))
+    for name in ("sb-on", "sb-never"):
+        fake.sandboxes[name].status = "paused"
+    client.sandboxes.exec_in_sandbox("sb-on", command=["true"], request_options=NO_RETRY)
+    assert fake.sandboxes["sb-on"].status == "running"
+    with pytest.raises(ApiError) as caught:
+        client.sandboxes.exec_in_sandbox("sb-never", command=["true"], request_options=NO_RETRY)
+    assert caught.value.status_code == 409 and fake.sandboxes["sb-never"].status == "paused"
