@@ -5,8 +5,9 @@ A stand-in for Boat's public API, on a loopback ``http.server``, for the real ``
 ``type`` values, required fields present): create (``Idempotency-Key`` honoured), get, rename,
 delete (the confirmation header required; asynchronous: the sandbox is "archiving" until
 :meth:`FakeBoat.finish_deletions`), synchronous commands and native file writes. Each sandbox is a
-directory on the host standing for the guest's ``/``; commands really run there under ``sh -c`` in
-the guest's ``/home/user``, so output, exit statuses and files are real. Like the service, a
+directory on the host that is the guest's ``/``: the file API writes there, and commands really run
+under ``sh -c`` with it as their root (:mod:`tests.hooks.guest_vm`), in ``/home/user``, so output,
+exit statuses, files and paths are real. Like the service, a
 command's ``timeoutSeconds`` is enforced (the process group is killed and ``timedOut`` set), its
 streams are capped (:attr:`FakeBoat.output_cap`, head kept, ``stdoutTruncated``), and writes take
 only paths under ``/home/user`` or ``/tmp`` and bodies up to 5 MiB.
@@ -32,7 +33,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from tests.hooks import guest_vm
+
 API_KEY = "boat_test_key"
+GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 HOME = "/home/user"
 WRITE_ROOTS = (HOME, "/tmp")
 #: Largest request body the file API takes, in bytes.
@@ -210,16 +214,17 @@ class FakeBoat:
         sandbox.commands.append(body)
         cwd = body.get("cwd") or HOME
         env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "HOME": str(sandbox.host_path(HOME)),
-            "TMPDIR": str(sandbox.host_path("/tmp")),
+            "PATH": GUEST_PATH,
+            "HOME": HOME,
+            "TMPDIR": "/tmp",
             "LANG": "C.UTF-8",
             **(sandbox.request.get("env") or {}),
         }
         started = _now()
-        process = subprocess.Popen(
+        process = guest_vm.spawn(
             ["sh", "-c", body["command"]],
-            cwd=sandbox.host_path(cwd),
+            root=sandbox.root,
+            cwd=posixpath.normpath(posixpath.join(HOME, cwd)),
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,

@@ -5,9 +5,9 @@ A stand-in for the Islo service behind the real ``islo`` SDK, at its HTTP transp
 and delete sandboxes, asynchronous exec with polled results, file download and upload. A test can set a
 sandbox's ``status`` (``"paused"``, say): activity resumes a paused sandbox whose lifecycle says
 ``auto_resume="on_activity"``, and is refused (409) otherwise. Each
-sandbox is a directory on the host that stands for the guest's ``/`` in the file API; commands
-really run there, as host processes under the given argv, in the sandbox's working directory, so
-output, exit statuses and files are real. Like the service, it caps each captured stream at 1 MiB
+sandbox is a directory on the host that is the guest's ``/``: the file API reads and writes there,
+and commands really run with it as their root (:mod:`tests.hooks.guest_vm`), in the sandbox's
+working directory, so output, exit statuses, files and paths are real. Like the service, it caps each captured stream at 1 MiB
 (keeping the head, and saying ``truncated``), overwrites ``PATH``, and ignores ``timeout_secs``.
 
 The API-key exchange does not go through the client's ``httpx_client``: the SDK posts it with
@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from tests.hooks import guest_vm
 
 CONTROL_URL = "https://api.islo.test"
 COMPUTE_URL = "https://compute.islo.test"
@@ -222,15 +223,16 @@ class FakeIslo:
         return httpx.Response(200, json=_sandbox_json(sandbox))
 
     def _exec(self, sandbox: FakeIsloSandbox, body: dict[str, Any]) -> httpx.Response:
-        env = {"HOME": str(sandbox.root / "root"), "TMPDIR": str(sandbox.root / "tmp"), "LANG": "C.UTF-8"}
+        env = {"HOME": "/root", "TMPDIR": "/tmp", "LANG": "C.UTF-8"}
         env.update({k: v for k, v in (sandbox.request.get("env") or {}).items() if v is not None})
         env.update({k: v for k, v in (body.get("env") or {}).items() if v is not None})
         env["PATH"] = GUEST_PATH
         record = FakeExec(id=f"ex-{uuid.uuid4().hex[:12]}", argv=list(body["command"]), env=env)
-        cwd = sandbox.host_path(body.get("workdir") or sandbox.workdir)
+        cwd = os.path.normpath(os.path.join(sandbox.workdir, body.get("workdir") or "."))
         try:
-            record.process = subprocess.Popen(
+            record.process = guest_vm.spawn(
                 record.argv,
+                root=sandbox.root,
                 cwd=cwd,
                 env=env,
                 stdin=subprocess.DEVNULL,
