@@ -1,6 +1,7 @@
 """
-Plumbing the hosted-service backends (Islo, Boat) share: a retry loop that never outlasts its
-deadline, ``Retry-After`` parsing, and the check of a service URL before an API key is sent to it.
+Plumbing the hosted-service backends (Islo, Boat) share: reading their Airflow connection, a retry
+loop that never outlasts its deadline, ``Retry-After`` parsing, and the check of a service URL
+before an API key is sent to it.
 """
 
 from __future__ import annotations
@@ -9,10 +10,21 @@ import email.utils
 import ipaddress
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-__all__ = ["FIRST_PAUSE", "LONGEST_PAUSE", "call", "check_service_url", "retry_after_seconds"]
+from sandbox_provider.sandbox.errors import SandboxTerminalError
+
+__all__ = [
+    "FIRST_PAUSE",
+    "LONGEST_PAUSE",
+    "ServiceConnection",
+    "call",
+    "check_service_url",
+    "load_connection",
+    "retry_after_seconds",
+]
 
 T = TypeVar("T")
 
@@ -88,3 +100,52 @@ def check_service_url(url: str, what: str) -> str:
             f"address), got {url!r}: the API key would travel unencrypted or to nowhere."
         )
     return str(url).strip().rstrip("/")
+
+
+@dataclass(frozen=True)
+class ServiceConnection:
+    """
+    What a hosted backend reads from its Airflow connection.
+
+    :param conn_id: the connection's id.
+    :param host: the service URL it names (``https://`` added when it has no scheme), or None.
+    :param password: the API key, or None.
+    :param extra: its extras.
+    """
+
+    conn_id: str
+    host: str | None = None
+    password: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def resolve(self, table: Any, args: Mapping[str, Any]) -> dict[str, Any]:
+        """``table.resolve`` over this connection's extras; a bad extra is a terminal error naming it."""
+        try:
+            return table.resolve(args, self.extra, conn_id=self.conn_id)
+        except ValueError as err:
+            raise SandboxTerminalError(f"{err} Fix the extra or pass the setting to the hook.") from None
+
+
+def load_connection(hook: Any, conn_id: str, *, fallback: str) -> ServiceConnection:
+    """
+    Read ``hook``'s connection ``conn_id``. The hook's default connection may be missing (then the
+    result is empty and the SDK's environment variables apply); another missing one is an error.
+
+    :param fallback: what applies without a connection, for the message (``"ISLO_API_KEY"``).
+    :raises SandboxTerminalError: for a named connection that does not exist.
+    """
+    from airflow.exceptions import AirflowNotFoundException
+
+    try:
+        conn = hook.get_connection(conn_id)
+    except AirflowNotFoundException:
+        if conn_id != hook.default_conn_name:
+            raise SandboxTerminalError(
+                f"The Airflow connection {conn_id!r} does not exist. Define it with type {hook.conn_type}, or leave "
+                f"{hook.conn_name_attr} unset to use {fallback} on the worker."
+            ) from None
+        return ServiceConnection(conn_id)
+    host = (conn.host or "").strip() or None
+    if host and "://" not in host:
+        host = "https://" + host
+    return ServiceConnection(conn_id, host, conn.password or None, dict(conn.extra_dejson or {}))
