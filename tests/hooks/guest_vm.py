@@ -11,19 +11,11 @@ otherwise: no PID or network namespace, so background jobs outlive the command, 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
-
 #: Host directories shown read-only (or linked, where the host links them) at the same place.
 SYSTEM = ("usr", "bin", "lib", "lib32", "lib64", "libx32", "sbin", "etc")
-
-needs_bwrap = pytest.mark.skipif(
-    shutil.which("bwrap") is None and not os.environ.get("SANDBOX_REQUIRE_BWRAP"),
-    reason="the hosted-VM stand-ins run commands under bubblewrap (SANDBOX_REQUIRE_BWRAP=1 makes this a failure)",
-)
 
 
 def spawn(argv: list[str], *, root: Path, cwd: str, env: dict[str, str], **popen: object) -> subprocess.Popen:

@@ -13,9 +13,10 @@ import urllib3  # noqa: E402
 from boat_sdk.exceptions import ApiException, BadRequestException, NotFoundException, ServiceException  # noqa: E402
 from boat_sdk.models import CommandRequest, CreateSandboxRequest, FileWriteRequest  # noqa: E402
 from tests.hooks.fake_boat import WRITE_BODY_CAP, FakeBoat  # noqa: E402
-from tests.hooks.guest_vm import needs_bwrap  # noqa: E402
 
-pytestmark = needs_bwrap
+from conftest import requires_bwrap  # noqa: E402
+
+pytestmark = requires_bwrap
 
 NO_RETRIES = urllib3.util.Retry(total=0, connect=0, read=0, redirect=0, status=0, other=0)
 

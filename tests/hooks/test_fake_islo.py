@@ -13,9 +13,10 @@ islo = pytest.importorskip("islo")
 from islo.core.api_error import ApiError  # noqa: E402
 from islo.errors import NotFoundError  # noqa: E402
 from tests.hooks.fake_islo import STREAM_CAP, FakeIslo  # noqa: E402
-from tests.hooks.guest_vm import needs_bwrap  # noqa: E402
 
-pytestmark = needs_bwrap
+from conftest import requires_bwrap  # noqa: E402
+
+pytestmark = requires_bwrap
 
 NO_RETRY = {"max_retries": 0}
 

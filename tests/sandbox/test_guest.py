@@ -59,6 +59,17 @@ def test_write_is_atomic_and_replaces_links(tmp_path):
     assert sorted(p.name for p in (tmp_path / "a/b").iterdir()) == ["c.txt"]
 
 
+def test_write_concatenates_pieces_a_file_api_wrote(tmp_path):
+    temp = sh("write.sh", "start", "out.bin", cwd=tmp_path).stdout.decode().strip()
+    (tmp_path / temp).write_bytes(b"\x00first|")
+    (tmp_path / "piece").write_bytes(b"second\xff")
+    assert sh("write.sh", "concat", temp, "piece", cwd=tmp_path).returncode == 0
+    assert not (tmp_path / "piece").exists()
+    assert sh("write.sh", "concat", temp, "piece", cwd=tmp_path).returncode != 0  # a missing piece fails
+    assert sh("write.sh", "commit", temp, "out.bin", cwd=tmp_path).returncode == 0
+    assert (tmp_path / "out.bin").read_bytes() == b"\x00first|second\xff"
+
+
 def test_list_records(tmp_path):
     (tmp_path / "sub").mkdir()
     (tmp_path / "f").write_text("")

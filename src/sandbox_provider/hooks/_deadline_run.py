@@ -13,8 +13,9 @@ from __future__ import annotations
 import math
 import shlex
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
+
+from sandbox_provider.sandbox import guest
 
 __all__ = ["PROGRAM", "STATUS_MARK", "DeadlineRun", "parse_status", "replay", "wrapper_argv", "wrapper_command"]
 
@@ -24,10 +25,6 @@ STATUS_MARK = "airflow-sandbox-status"
 #: The exit status the guest program uses when it cannot run the command at all.
 WRAPPER_FAILED = 125
 _ARGV0 = "airflow-sandbox-run"
-
-
-def _program() -> str:
-    return (resources.files("sandbox_provider.sandbox") / "guest" / PROGRAM).read_text(encoding="utf-8")
 
 
 @dataclass(frozen=True)
@@ -64,7 +61,7 @@ def wrapper_argv(command: str, *, deadline: float, kill_after: int, keep_bytes: 
     return [
         "sh",
         "-c",
-        _program(),
+        guest.program(PROGRAM),
         _ARGV0,
         str(hundredths),
         str(int(kill_after)),

@@ -3,6 +3,7 @@
 #   stdin PATH          copy standard input to PATH
 #   start PATH          print the name of a new temporary sibling of PATH (parents made)
 #   append TMP B64      append the base64 text B64, decoded, to TMP
+#   concat TMP PART     append the file PART to TMP, then remove PART (for pieces a file API wrote)
 #   commit TMP PATH     rename TMP over PATH
 #   abort TMP           remove TMP
 mode=$1
@@ -14,6 +15,7 @@ case $mode in
   start)
     d=$(dirname -- "$2") && mkdir -p -- "$d" && mktemp "$d/.sandbox-write.XXXXXX" ;;
   append) printf %s "$3" | base64 -d >> "$2" ;;
+  concat) cat -- "$3" >> "$2" && rm -f -- "$3" ;;
   commit) mv -fT -- "$2" "$3" ;;
   abort) rm -f -- "$2" ;;
   *) echo "write.sh: unknown mode $mode" >&2; exit 2 ;;
