@@ -33,6 +33,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import pytest
 from tests.hooks import guest_vm
 
 API_KEY = "boat_test_key"
@@ -374,3 +375,27 @@ def _kill(sandbox: FakeBoatSandbox) -> None:
 
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+@pytest.fixture
+def boat_service(tmp_path):
+    """The Boat stand-in, on a loopback port of its own."""
+    service = FakeBoat(tmp_path / "boat")
+    yield service
+    service.close()
+
+
+@pytest.fixture
+def boat_hook(boat_service, add_connection):
+    """
+    A factory of ``BoatSandboxHook`` instances that talk to ``boat_service`` through the real SDK: a
+    ``sandbox_boat`` connection (``conn_id``, default the hook's default) names its URL and key, with
+    ``extra`` as its extras; keyword arguments go to the hook.
+    """
+    from sandbox_provider.hooks.boat import BoatSandboxHook
+
+    def make(conn_id: str = "sandbox_boat_default", *, extra: dict | None = None, **kwargs) -> BoatSandboxHook:
+        add_connection(conn_id, "sandbox_boat", host=boat_service.url, password=API_KEY, extra=extra or {})
+        return BoatSandboxHook(conn_id, **kwargs)
+
+    return make

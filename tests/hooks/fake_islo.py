@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from tests.hooks import guest_vm
 
 CONTROL_URL = "https://api.islo.test"
@@ -373,3 +374,39 @@ def _fault_response(fault: Fault) -> httpx.Response:
     headers = {"retry-after": fault.retry_after} if fault.retry_after is not None else None
     code = "RATE_LIMITED" if fault.status == 429 else "RESOURCE_UNAVAILABLE"
     return _error(fault.status, code, "injected failure", headers)
+
+
+@pytest.fixture
+def islo_service(tmp_path, monkeypatch):
+    """The Islo stand-in, with the SDK's API-key exchange routed to it."""
+    service = FakeIslo(tmp_path / "islo").install(monkeypatch)
+    yield service
+    service.close()
+
+
+@pytest.fixture
+def islo_hook(islo_service, add_connection, monkeypatch):
+    """
+    A factory of ``IsloSandboxHook`` instances that talk to ``islo_service`` through the real SDK: a
+    ``sandbox_islo`` connection (``conn_id``, default the hook's default) names the stand-in's URLs and
+    key, with ``extra`` merged in; keyword arguments go to the hook.
+    """
+    from sandbox_provider.hooks.islo import IsloSandboxHook
+
+    monkeypatch.setattr(
+        IsloSandboxHook,
+        "_new_http_client",
+        lambda self, timeout: httpx.Client(transport=islo_service.transport, timeout=timeout),
+    )
+
+    def make(conn_id: str = "sandbox_islo_default", *, extra: dict | None = None, **kwargs) -> IsloSandboxHook:
+        add_connection(
+            conn_id,
+            "sandbox_islo",
+            host=COMPUTE_URL,
+            password=API_KEY,
+            extra={"base_url": CONTROL_URL, **(extra or {})},
+        )
+        return IsloSandboxHook(conn_id, **kwargs)
+
+    return make

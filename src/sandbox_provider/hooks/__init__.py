@@ -22,6 +22,8 @@ HOOK_CLASSES: tuple[str, ...] = (
     "sandbox_provider.hooks.local:LocalSandboxHook",
     "sandbox_provider.hooks.docker:DockerSandboxHook",
     "sandbox_provider.hooks.modal:ModalSandboxHook",
+    "sandbox_provider.hooks.islo:IsloSandboxHook",
+    "sandbox_provider.hooks.boat:BoatSandboxHook",
 )
 
 

@@ -1,0 +1,65 @@
+"""The ``boat`` backend's connection form."""
+
+from __future__ import annotations
+
+from sandbox_provider.sandbox.settings import ConnectionForm, Setting, SettingsTable
+
+DEFAULT_TTL_SECONDS = 3600
+#: Boat archives a sandbox after at most 30 days.
+MAX_TTL_SECONDS = 30 * 24 * 3600
+DEFAULT_READY_TIMEOUT = 300.0
+DEFAULT_REQUEST_TIMEOUT = 30.0
+MACHINE_TYPES = ("small", "default", "large", "xlarge")
+
+SETTINGS = SettingsTable(
+    Setting(
+        "machine_type",
+        str,
+        "default",
+        label="Machine type",
+        help="Boat's machine size for a sandbox.",
+        choices=MACHINE_TYPES,
+    ),
+    Setting(
+        "ttl_seconds",
+        int,
+        DEFAULT_TTL_SECONDS,
+        label="Sandbox lifetime (seconds)",
+        help="Seconds after which Boat archives the sandbox (at most 30 days); snapshots are off, so its disk "
+        "goes with it.",
+        unit="seconds",
+        minimum=60,
+        maximum=MAX_TTL_SECONDS,
+    ),
+    Setting(
+        "ready_timeout",
+        float,
+        DEFAULT_READY_TIMEOUT,
+        label="Ready timeout (seconds)",
+        help="Seconds to wait for a new sandbox to be ready for commands.",
+        unit="seconds",
+        minimum=1,
+    ),
+    Setting(
+        "request_timeout",
+        float,
+        DEFAULT_REQUEST_TIMEOUT,
+        label="Request timeout (seconds)",
+        help="Seconds one API request may take, past a command's own deadline.",
+        unit="seconds",
+        minimum=1,
+    ),
+)
+UI_BEHAVIOUR = {
+    "hidden-fields": ["login", "port", "schema"],
+    "relabeling": {"host": "API base URL", "password": "API key"},
+    "placeholders": {"host": "https://boat.dev/api/v1"},
+}
+
+FORM = ConnectionForm(
+    conn_type="sandbox_boat",
+    hook_name="Sandbox (Boat)",
+    settings=SETTINGS,
+    ui_behaviour=UI_BEHAVIOUR,
+    conn_name_attr="boat_conn_id",
+)

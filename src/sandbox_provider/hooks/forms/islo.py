@@ -1,0 +1,83 @@
+"""The ``islo`` backend's connection form."""
+
+from __future__ import annotations
+
+from sandbox_provider.sandbox.settings import ConnectionForm, Setting, SettingsTable
+
+DEFAULT_DELETE_AFTER = 3600
+DEFAULT_PAUSE_AFTER_IDLE = 600
+DEFAULT_REQUEST_TIMEOUT = 30.0
+AUTO_RESUME = ("on_activity", "never")
+
+SETTINGS = SettingsTable(
+    Setting(
+        "image",
+        str,
+        label="Image",
+        help="Image a sandbox boots; it needs sh and coreutils (timeout, tail, mktemp). Default: Islo's.",
+    ),
+    Setting("vcpus", int, label="vCPUs", help="Virtual CPUs per sandbox. Default: Islo's.", minimum=1),
+    Setting(
+        "memory_mb",
+        int,
+        label="Memory (MiB)",
+        help="Memory per sandbox in MiB. Default: Islo's.",
+        unit="MiB",
+        minimum=128,
+    ),
+    Setting("disk_gb", int, label="Disk (GB)", help="Disk per sandbox in GB. Default: Islo's.", unit="GB", minimum=1),
+    Setting(
+        "delete_after",
+        int,
+        DEFAULT_DELETE_AFTER,
+        label="Sandbox lifetime (seconds)",
+        help="Seconds from creation (not from last use) after which Islo deletes the sandbox.",
+        unit="seconds",
+        minimum=60,
+    ),
+    Setting(
+        "pause_after_idle",
+        int,
+        DEFAULT_PAUSE_AFTER_IDLE,
+        label="Pause after idle (seconds)",
+        help="Seconds without activity after which Islo pauses the sandbox; 0 never pauses it.",
+        unit="seconds",
+        minimum=0,
+    ),
+    Setting(
+        "auto_resume",
+        str,
+        "on_activity",
+        label="Resume a paused sandbox",
+        help="on_activity: the next command or file operation resumes it; never: a paused sandbox cannot be used.",
+        choices=AUTO_RESUME,
+    ),
+    Setting(
+        "base_url",
+        str,
+        label="Control API URL",
+        help="Islo's control-plane URL, where the API key is exchanged. Default: ISLO_BASE_URL, else Islo's.",
+    ),
+    Setting(
+        "request_timeout",
+        float,
+        DEFAULT_REQUEST_TIMEOUT,
+        label="Request timeout (seconds)",
+        help="Seconds one API request may take.",
+        unit="seconds",
+        minimum=1,
+    ),
+)
+UI_BEHAVIOUR = {
+    "hidden-fields": ["login", "port", "schema"],
+    "relabeling": {"host": "Compute API URL", "password": "API key"},
+    "placeholders": {"host": "https://ca.compute.islo.dev"},
+}
+
+FORM = ConnectionForm(
+    conn_type="sandbox_islo",
+    hook_name="Sandbox (Islo)",
+    settings=SETTINGS,
+    ui_behaviour=UI_BEHAVIOUR,
+    conn_name_attr="islo_conn_id",
+)
