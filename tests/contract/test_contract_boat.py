@@ -6,7 +6,9 @@ import pytest
 
 pytest.importorskip("boat_sdk")
 
-from tests.hooks.fake_boat import boat_hook, boat_service  # noqa: E402, F401
+from tests.hooks import fake_boat  # noqa: E402
+
+boat_service, boat_hook = fake_boat.boat_service, fake_boat.boat_hook  # the stand-in's fixtures
 
 from conftest import requires_bwrap  # noqa: E402
 from contract.battery import SandboxContract  # noqa: E402
@@ -25,5 +27,5 @@ class TestBoatContract(SandboxContract):
     ]
 
     @pytest.fixture
-    def hook(self, boat_hook):  # noqa: F811
+    def hook(self, boat_hook):
         return boat_hook()

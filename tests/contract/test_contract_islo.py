@@ -6,7 +6,9 @@ import pytest
 
 pytest.importorskip("islo")
 
-from tests.hooks.fake_islo import islo_hook, islo_service  # noqa: E402, F401
+from tests.hooks import fake_islo  # noqa: E402
+
+islo_service, islo_hook = fake_islo.islo_service, fake_islo.islo_hook  # the stand-in's fixtures
 
 from conftest import requires_bwrap  # noqa: E402
 from contract.battery import SandboxContract  # noqa: E402
@@ -24,5 +26,5 @@ class TestIsloContract(SandboxContract):
     ]
 
     @pytest.fixture
-    def hook(self, islo_hook):  # noqa: F811
+    def hook(self, islo_hook):
         return islo_hook()

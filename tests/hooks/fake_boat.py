@@ -13,7 +13,8 @@ streams are capped (:attr:`FakeBoat.output_cap`, head kept, ``stdoutTruncated``)
 only paths under ``/home/user`` or ``/tmp`` and bodies up to 5 MiB.
 
 Faults (:meth:`FakeBoat.fail`) per route: a status with ``Retry-After`` before or after the request
-took effect, a response dropped after it took effect, or a request accepted and never answered.
+took effect, a response dropped after it took effect, a request accepted and never answered, or a
+canned answer.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class Fault:
     hang: bool = False
     retry_after: str | None = None
     times: int = 1
+    #: Answer 200 with this JSON instead of serving the request.
+    body: dict[str, Any] | None = None
 
 
 @dataclass
@@ -88,6 +91,8 @@ class FakeBoat:
         self.output_cap = 8 * 1024 * 1024
         #: Sandboxes created from now on report "provisioning" to this many GETs first.
         self.provisioning_polls = 0
+        #: Guest directories the file API refuses to write under (as Boat does where a link leads out).
+        self.refuse_writes_under: list[str] = []
         self._faults: list[Fault] = []
         self._lock = threading.Lock()
         self._closing = threading.Event()
@@ -265,7 +270,9 @@ class FakeBoat:
             return _error(413, "payload_too_large", "file writes take at most 5 MiB; use an upload URL")
         request = json.loads(body)
         path = posixpath.normpath(posixpath.join(HOME, request["path"]))
-        if not any(path == root or path.startswith(root + "/") for root in WRITE_ROOTS):
+        allowed = any(path == root or path.startswith(root + "/") for root in WRITE_ROOTS)
+        refused = any(path == root or path.startswith(root + "/") for root in self.refuse_writes_under)
+        if not allowed or refused:
             return _error(400, "invalid_path", "paths must resolve under /home/user or /tmp")
         encoding = request.get("encoding") or "utf8"
         data = base64.b64decode(request["content"]) if encoding == "base64" else request["content"].encode()
@@ -298,6 +305,8 @@ def _handler_for(service: FakeBoat) -> type[BaseHTTPRequestHandler]:
                 return
             if fault and fault.status and not fault.after:
                 return self._send(*_fault(fault))
+            if fault and fault.body is not None:
+                return self._send(200, fault.body)
             if self.headers.get("Authorization") != f"Bearer {API_KEY}":
                 return self._send(*_error(401, "unauthorized", "missing or wrong API key"))
             status, payload = service.serve(self.command, parts, self.headers, body)

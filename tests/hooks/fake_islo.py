@@ -15,8 +15,8 @@ module-level ``httpx.post``. :meth:`FakeIslo.install` routes that through the sa
 empties the SDK's process-wide token cache.
 
 Faults (:meth:`FakeIslo.fail`) are injected per route: an HTTP status (with ``Retry-After``) before
-or after the request took effect, a dropped response after it took effect, or a connection that
-never reaches the service.
+or after the request took effect, a dropped response after it took effect, a connection that never
+reaches the service, or a canned answer (a result that stays "running", say).
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ class Fault:
     connect: bool = False
     retry_after: str | None = None
     times: int = 1
+    #: Answer 200 with this JSON instead of serving the request.
+    body: dict[str, Any] | None = None
 
 
 @dataclass
@@ -81,6 +83,7 @@ class FakeIsloSandbox:
     root: Path
     request: dict[str, Any]
     status: str = "running"
+    polls_until_running: int = 0
     created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
     execs: dict[str, FakeExec] = field(default_factory=dict)
 
@@ -103,6 +106,9 @@ class FakeIslo:
         self.deleted: list[str] = []
         self.attempts: list[tuple[str, str]] = []
         self.token_exchanges = 0
+        #: The status new sandboxes start in; "starting" ones become "running" after ``starting_polls`` GETs.
+        self.new_status = "running"
+        self.starting_polls = 0
         self._faults: list[Fault] = []
         self._lock = threading.Lock()
         self.transport = httpx.MockTransport(self._handle)
@@ -155,6 +161,8 @@ class FakeIslo:
         self.attempts.append((request.method, route))
         if fault and fault.status and not fault.after:
             return _fault_response(fault)
+        if fault and fault.body is not None:
+            return httpx.Response(200, json=fault.body)
         if route != "token" and request.headers.get("authorization") != f"Bearer {SESSION_TOKEN}":
             response = _error(401, "AUTH_REQUIRED", "missing or wrong session token")
         else:
@@ -182,6 +190,10 @@ class FakeIslo:
         if sandbox is None:
             return _error(404, "SANDBOX_NOT_FOUND", f"sandbox {name!r} not found")
         if route == "get":
+            if sandbox.polls_until_running:
+                sandbox.polls_until_running -= 1
+                if not sandbox.polls_until_running:
+                    sandbox.status = "running"
             return httpx.Response(200, json=_sandbox_json(sandbox))
         if route == "delete":
             self._kill(sandbox)
@@ -217,7 +229,9 @@ class FakeIslo:
         if name in self.sandboxes:
             return _error(409, "SANDBOX_ALREADY_EXISTS", f"sandbox {name!r} already exists")
         root = self.root / name
-        sandbox = FakeIsloSandbox(name=name, id=str(uuid.uuid4()), root=root, request=body)
+        sandbox = FakeIsloSandbox(name=name, id=str(uuid.uuid4()), root=root, request=body, status=self.new_status)
+        if self.starting_polls:
+            sandbox.status, sandbox.polls_until_running = "starting", self.starting_polls
         for folder in (sandbox.host_path("."), root / "tmp", root / "root"):
             folder.mkdir(parents=True, exist_ok=True)
         self.sandboxes[name] = sandbox

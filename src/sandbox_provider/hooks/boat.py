@@ -111,6 +111,7 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
     handle_shape = "'bx_' followed by 8 lowercase letters and digits"
     handle_example = "bx_a2c4e6g8"
     workdir = HOME
+    connection_test_spec = SandboxSpec(block_network=False)
 
     def __init__(
         self,
@@ -281,7 +282,10 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
         boat_sdk = driver.import_boat()
         keep = min(output.out.limit, STREAM_KEEP) or 1
         exports = "".join(f"export {name}={shlex.quote(value)}\n" for name, value in self._env.get(handle, {}).items())
-        line = wrapper_command(exports + command, deadline=timeout, kill_after=KILL_AFTER, keep_bytes=keep, login=True)
+        # exec: the guest program replaces Boat's shell, so what ends it reaches Boat as it happened.
+        line = "exec " + wrapper_command(
+            exports + command, deadline=timeout, kill_after=KILL_AFTER, keep_bytes=keep, login=True
+        )
         boat_deadline = min(BOAT_COMMAND_CAP, math.ceil(timeout) + KILL_AFTER + BOAT_MARGIN)
         request = boat_sdk.CommandRequest(command=line, cwd=self.workdir, timeout_seconds=boat_deadline)
         try:

@@ -82,7 +82,7 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
     :param memory_mb: memory in MiB; default Islo's.
     :param disk_gb: disk in GB; default Islo's.
     :param delete_after: lifetime in seconds, counted from creation; default 3600.
-    :param pause_after_idle: seconds idle before Islo pauses the sandbox; 0 never; default 600.
+    :param pause_after_idle: seconds idle before Islo pauses the sandbox (at least 60); default 600.
     :param auto_resume: ``"on_activity"`` (default) or ``"never"``.
     :param base_url: Islo's control API URL (where the API key is exchanged).
     :param request_timeout: seconds one API request may take; default 30.
@@ -100,7 +100,9 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
             "Islo turns a sandbox's outbound access on or off and cannot narrow it to hosts or address ranges, so "
             "keeping only the block would drop what you asked for: drop the allowlists and keep "
             "SandboxSpec(block_network=True) for no network, pass block_network=False for open egress, or use a "
-            "backend that enforces allowlists (Modal)."
+            "backend that enforces allowlists (Modal). Islo keeps no metadata with a sandbox to record an owner: "
+            "drop owner and use the sandbox in the task that creates it, or use an attachable backend (local, "
+            "Docker, Modal)."
         ),
     )
 
@@ -225,7 +227,7 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
         spec = request.spec
         lifecycle = LifecyclePolicy(
             delete_after=math.ceil(request.lifetime),
-            pause_after_idle=settings["pause_after_idle"] or None,
+            pause_after_idle=settings["pause_after_idle"],
             auto_resume=AutoResumePolicy(settings["auto_resume"]),
         )
         fields = {

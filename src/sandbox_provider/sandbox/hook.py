@@ -247,6 +247,8 @@ class SandboxHook(BaseHook):
     ui_behaviour: ClassVar[Mapping[str, Any]] = {}
     #: Whether another task can find this backend's sandboxes by handle (``attach``/``release``).
     attachable: ClassVar[bool] = False
+    #: The spec ``test_connection`` provisions with: no network, unless the backend cannot block it.
+    connection_test_spec: ClassVar[SandboxSpec] = SandboxSpec()
 
     workdir: str = DEFAULT_WORKDIR
 
@@ -512,7 +514,7 @@ class SandboxHook(BaseHook):
         handle = None
         where = self._test_where()
         try:
-            handle = self.create(spec=SandboxSpec())
+            handle = self.create(spec=self.connection_test_spec)
             result = self.run_command(handle, "echo sandbox-ok", timeout=60, max_output_bytes=4096)
             if result.ok and "sandbox-ok" in result.stdout:
                 return True, f"Ran a command in sandbox {handle} on the {self.display_name} backend{where}."

@@ -106,9 +106,9 @@ class Setting:
         if self.unit:
             what += f" of {self.unit}"
         if self.minimum is not None and self.maximum is not None:
-            return f"{what} from {self.minimum:g} to {self.maximum:g}"
+            return f"{what} from {_number(self.minimum)} to {_number(self.maximum)}"
         if self.minimum is not None:
-            return f"{what} of at least {self.minimum:g}"
+            return f"{what} of at least {_number(self.minimum)}"
         return what
 
     def form_field(self) -> dict[str, Any]:
@@ -133,6 +133,11 @@ class Setting:
         if isinstance(self.default, float) and self.default.is_integer():
             return str(int(self.default))
         return str(self.default)
+
+
+def _number(value: float) -> str:
+    """A bound as people write it: ``2592000``, not ``2.592e+06``."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
 class SettingsTable:

@@ -40,9 +40,9 @@ SETTINGS = SettingsTable(
         int,
         DEFAULT_PAUSE_AFTER_IDLE,
         label="Pause after idle (seconds)",
-        help="Seconds without activity after which Islo pauses the sandbox; 0 never pauses it.",
+        help="Seconds without activity after which Islo pauses the sandbox.",
         unit="seconds",
-        minimum=0,
+        minimum=60,
     ),
     Setting(
         "auto_resume",
