@@ -89,12 +89,19 @@ def test_exiting_124_early_is_not_a_timeout(guest):
     assert status.exit_code == 124 and not status.timed_out
 
 
-def test_a_background_job_holding_the_output_does_not_hold_the_call(guest, tmp_path):
+def test_a_background_job_neither_holds_the_call_nor_outlives_the_command(guest, tmp_path):
+    pid_file = tmp_path / "pid"
+    code, status, _ = run(guest, f"sleep 30 & echo $! > {pid_file}; echo done")
+    assert code == 0 and status.stdout == "done\n"
+    assert _gone(int(pid_file.read_text()))
+
+
+def test_a_process_that_left_the_group_is_not_chased(guest, tmp_path):
     pid_file = tmp_path / "pid"
     try:
-        code, status, _ = run(guest, f"sleep 30 & echo $! > {pid_file}; echo done")
-        assert code == 0 and status.stdout == "done\n"
-        assert _alive(int(pid_file.read_text()))  # left running, as the service itself would
+        code, _, _ = run(guest, f"setsid sleep 30 & echo $! > {pid_file}; sleep 0.2")
+        assert code == 0
+        assert _alive(int(pid_file.read_text()))  # as documented: setsid escapes the kill
     finally:
         os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
@@ -156,7 +163,7 @@ def test_sigterm_to_the_wrapper_stops_the_command_and_cleans_up(guest, tmp_path)
     argv = wrapper_argv(f"echo $$ > {pid_file}; exec sleep 30", deadline=30, kill_after=1, keep_bytes=64, login=False)
     proc = subprocess.Popen(argv, env=guest, cwd=guest["HOME"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        _wait_for(pid_file.exists)
+        _wait_for(lambda: pid_file.exists() and pid_file.read_text().endswith("\n"))
         pid = int(pid_file.read_text())
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=HANG_GUARD)

@@ -6,7 +6,9 @@
 # to two files in a private scratch directory (mode 0700, under $TMPDIR or /tmp, removed at the
 # end), and its standard input from /dev/null. So a background job that keeps the output open does
 # not hold the call, and output of any size costs the service nothing. At the deadline the whole
-# group gets SIGTERM, and SIGKILL $2 seconds later. Then the tail of each file is replayed.
+# group gets SIGTERM, and SIGKILL $2 seconds later; when the command ends first, what it left
+# running in its group is killed then, so background jobs do not outlive it (a process that left
+# the group with setsid does). Then the tail of each file is replayed.
 #
 # Positional arguments:
 #   $1  the deadline, in hundredths of a second (a whole number, at least 1)
@@ -42,6 +44,7 @@ stop() {
   if [ -n "$child" ]; then
     kill -TERM "$child" 2>/dev/null
     wait "$child" 2>/dev/null
+    kill -KILL "-$child" 2>/dev/null
   fi
   rm -rf "$scratch"
   exit "$1"
@@ -71,8 +74,9 @@ timeout -k "$grace" "$seconds" "$@" "$command" </dev/null >"$scratch/out" 2>"$sc
 child=$!
 wait "$child" 2>/dev/null
 status=$?
-child=
 ended=$(now)
+kill -KILL "-$child" 2>/dev/null
+child=
 
 late=0
 if { [ "$status" = 124 ] || [ "$status" = 137 ]; } && [ $((ended - began)) -ge "$hundredths" ]; then
