@@ -321,6 +321,19 @@ def test_spec_reaches_the_backend_and_the_description(local, state_root):
     assert "/workspace" in description
 
 
+def test_the_description_keeps_to_the_backends_longest_command(state_root):
+    import dataclasses
+
+    class Capped(LocalSandboxHook):
+        capabilities = dataclasses.replace(LocalSandboxHook.capabilities, max_command_seconds=45)
+
+    toolset = SandboxToolset(Capped(state_root=str(state_root)), default_command_timeout=60, max_command_timeout=900)
+    script = Script([("run_command", {"command": "true", "timeout_seconds": 600})], "ok")
+    agent_with(script, toolset).run_sync("go")
+    assert "Commands get 45s unless you pass timeout_seconds (at most 45s)." in script.descriptions["run_command"]
+    assert script.texts()[0] == "(no output)"  # no note that the sandbox allowed less than was asked
+
+
 class _Crashing(LocalSandboxHook):
     """The local backend, except that the command ``crash`` ends the sandbox the way a backend would."""
 

@@ -390,8 +390,8 @@ class SandboxToolset(AbstractToolset[Any]):
             ),
             f"Relative paths start at {workdir or 'the working directory'}.",
             (
-                f"Commands get {self.default_command_timeout:g}s unless you pass timeout_seconds "
-                f"(at most {self.max_command_timeout:g}s)."
+                f"Commands get {self._command_seconds()[0]:g}s unless you pass timeout_seconds "
+                f"(at most {self._command_seconds()[1]:g}s)."
             ),
         ]
         if self._attach_mode:
@@ -524,9 +524,16 @@ class SandboxToolset(AbstractToolset[Any]):
         text = mask_stream(text, cut=cut)
         return tail_lines(text, max_lines=self.max_output_lines, max_bytes=self.max_output_bytes, already_cut=cut)
 
+    def _command_seconds(self) -> tuple[float, float]:
+        """The default and the longest deadline of a command, in seconds, within what the backend allows."""
+        cap = getattr(getattr(self.backend, "capabilities", None), "max_command_seconds", None)
+        longest = self.max_command_timeout if cap is None else min(self.max_command_timeout, float(cap))
+        return min(self.default_command_timeout, longest), longest
+
     def _run_command(self, session: SandboxSession, command: str, timeout_seconds: Any) -> str:
+        default, longest = self._command_seconds()
         if timeout_seconds is None:
-            budget = self.default_command_timeout
+            budget = default
         else:
             if (
                 isinstance(timeout_seconds, bool)
@@ -535,7 +542,7 @@ class SandboxToolset(AbstractToolset[Any]):
                 or timeout_seconds <= 0
             ):
                 raise ModelRetry(f"timeout_seconds must be a number of seconds above 0, got {timeout_seconds!r}.")
-            budget = min(float(timeout_seconds), self.max_command_timeout)
+            budget = min(float(timeout_seconds), longest)
         result = session.run(command, timeout=budget, max_output_bytes=self.max_output_bytes + MASK_MARGIN_BYTES)
         sections = []
         if result.stdout:
