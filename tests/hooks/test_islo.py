@@ -284,6 +284,17 @@ def test_a_command_with_no_result_by_its_deadline_deletes_the_sandbox(islo_hook,
         sh(hook, handle, "true")
 
 
+def test_a_result_islo_never_gives_is_terminal_and_leaves_the_sandbox(islo_hook, islo_service):
+    hook = islo_hook()
+    handle = hook.create(spec=SandboxSpec())
+    clock = Clock()
+    hook._monotonic, hook._sleep = clock, clock.sleep
+    islo_service.fail("exec-result", status=503, times=10**6)
+    with pytest.raises(SandboxTerminalError, match="did not answer for the result.*may still be running"):
+        sh(hook, handle, "true", timeout=5)
+    assert handle in islo_service.sandboxes and islo_service.deleted == []
+
+
 def test_an_islo_timeout_status_deletes_the_sandbox_too(islo_hook, islo_service):
     hook = islo_hook()
     handle = hook.create(spec=SandboxSpec())

@@ -14,14 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from sandbox_provider.sandbox.errors import SandboxTerminalError
+from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 
 __all__ = [
     "FIRST_PAUSE",
     "LONGEST_PAUSE",
     "ServiceConnection",
+    "abandon_runaway",
     "call",
     "check_service_url",
+    "discard",
     "load_connection",
     "retry_after_seconds",
 ]
@@ -149,3 +151,36 @@ def load_connection(hook: Any, conn_id: str, *, fallback: str) -> ServiceConnect
     if host and "://" not in host:
         host = "https://" + host
     return ServiceConnection(conn_id, host, conn.password or None, dict(conn.extra_dejson or {}))
+
+
+def abandon_runaway(destroy: Callable[[str], None], handle: str, output: Any, timeout: float, *, ends: str) -> Any:
+    """
+    A command outlived its deadline and the kill inside the sandbox: delete the sandbox to stop it,
+    tell the command's stderr (``output``, an ``OutputSink``), and return the outcome that says so.
+
+    :param ends: how the service ends the sandbox by itself, for the message when the delete fails
+        (``"Islo deletes it at the end of its delete_after lifetime"``).
+    :raises SandboxTerminalError: when the sandbox could not be deleted.
+    """
+    from sandbox_provider.sandbox.hook import RunOutcome
+
+    try:
+        destroy(handle)
+    except SandboxError as err:
+        raise SandboxTerminalError(
+            f"A command in sandbox {handle} outlived its {timeout:g} s deadline, and the sandbox could not be deleted "
+            f"to stop it ({err}); {ends}."
+        ) from err
+    output.stderr(
+        f"\nThe command outlived its {timeout:g} s deadline and the kill inside the sandbox, so sandbox {handle} was "
+        "deleted to stop it.\n"
+    )
+    return RunOutcome(exit_code=-1, timed_out=True, sandbox_terminated=True)
+
+
+def discard(destroy: Callable[[str], None], handle: str, logger: Any) -> None:
+    """Delete a sandbox whose provisioning failed; a failure here is logged, since the first one is reported."""
+    try:
+        destroy(handle)
+    except Exception:  # the failure being reported matters more
+        logger.warning("Could not delete sandbox %s after a failed create", handle, exc_info=True)

@@ -42,7 +42,7 @@ from typing import IO, Any
 
 from sandbox_provider.hooks import _boat_driver as driver
 from sandbox_provider.hooks._deadline_run import parse_status, replay, wrapper_command
-from sandbox_provider.hooks._hosted import call, check_service_url, load_connection
+from sandbox_provider.hooks._hosted import abandon_runaway, call, check_service_url, discard, load_connection
 from sandbox_provider.hooks.forms.boat import FORM
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
@@ -207,7 +207,7 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
             self._wait_ready(sandbox_id, deadline)
         except BaseException as err:
             if sandbox_id:
-                self._discard(sandbox_id)
+                discard(self._destroy, sandbox_id, log)
             if isinstance(err, SandboxError):
                 raise
             raise driver.translate(err, "creating the sandbox") from err
@@ -294,7 +294,9 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
             raise driver.translate(err, "running a command", handle, maybe_ran=True) from err
         result = answer.actual_instance
         if result.timed_out:
-            return self._abandon(handle, output, timeout)
+            return abandon_runaway(
+                self._destroy, handle, output, timeout, ends="Boat archives it at the end of its ttl_seconds"
+            )
         run = parse_status(result.stdout or "", result.stderr or "")
         if run is None:
             output.stdout(result.stdout or "")
@@ -312,21 +314,6 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
             output.err.truncated = True
         return RunOutcome(exit_code=code, timed_out=bool(run and run.timed_out))
 
-    def _abandon(self, handle: str, output: OutputSink, timeout: float) -> RunOutcome:
-        """Boat's own deadline fired, so the kill inside the sandbox failed: delete the sandbox."""
-        try:
-            self._destroy(handle)
-        except SandboxError as err:
-            raise SandboxTerminalError(
-                f"A command in sandbox {handle} outlived its {timeout:g} s deadline and Boat's own, and the sandbox "
-                f"could not be deleted ({err}); Boat archives it at the end of its ttl_seconds."
-            ) from err
-        output.stderr(
-            f"\nThe command outlived its {timeout:g} s deadline and the kill inside the sandbox, so sandbox {handle} "
-            "was deleted.\n"
-        )
-        return RunOutcome(exit_code=-1, timed_out=True, sandbox_terminated=True)
-
     def _destroy(self, handle: str) -> None:
         """Ask Boat to delete the sandbox. Boat accepts and finishes later: it may be listed a while yet."""
         try:
@@ -340,12 +327,6 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
         finally:
             self._env.pop(handle, None)
         log.info("Boat accepted the deletion of sandbox %s (operation %s)", handle, answer.operation.id)
-
-    def _discard(self, handle: str) -> None:
-        try:
-            self._destroy(handle)
-        except Exception:  # the failure being reported matters more
-            log.warning("Could not delete Boat sandbox %s after a failed create", handle, exc_info=True)
 
     # -- files -----------------------------------------------------------------------------------------
 

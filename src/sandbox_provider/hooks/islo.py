@@ -34,7 +34,7 @@ from typing import IO, Any
 
 from sandbox_provider.hooks import _islo_driver as driver
 from sandbox_provider.hooks._deadline_run import parse_status, replay, wrapper_argv
-from sandbox_provider.hooks._hosted import call, check_service_url, load_connection
+from sandbox_provider.hooks._hosted import abandon_runaway, call, check_service_url, discard, load_connection
 from sandbox_provider.hooks.forms.islo import FORM
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
@@ -257,12 +257,15 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
             finally:
                 resent.append(True)
 
+        created = None
         try:
             created = self._call(create, budget=CREATE_BUDGET)
             self._wait_ready(request.name, created, deadline=self._monotonic() + CREATE_BUDGET)
         except BaseException as err:
-            self._discard(request.name)
-            if isinstance(err, SandboxError):
+            # Delete what may exist under the name: never a sandbox Islo refused to make, nor another's.
+            if created is not None or not isinstance(err, Exception) or driver.transient(err):
+                discard(self._destroy, request.name, log)
+            if isinstance(err, SandboxError) or not isinstance(err, Exception):
                 raise
             raise driver.translate(err, "creating the sandbox") from err
         return request.name
@@ -311,7 +314,9 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
         # The deadline counts from the moment Islo took the command, so a slow start costs it nothing.
         result = self._poll(handle, started.exec_id, until=self._monotonic() + timeout + KILL_AFTER + RESULT_GRACE)
         if result is None or str(result.status).lower() == "timeout":
-            return self._abandon(handle, output, timeout)
+            return abandon_runaway(
+                self._destroy, handle, output, timeout, ends="Islo deletes it at the end of its delete_after lifetime"
+            )
         run = parse_status(result.stdout or "", result.stderr or "")
         if run is None:
             output.stdout(result.stdout or "")
@@ -338,37 +343,31 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
         return driver.translate(err, "starting a command", handle, maybe_ran=not driver.unsent(err))
 
     def _poll(self, handle: str, exec_id: str, *, until: float) -> Any:
-        """The finished exec result, or None if none came by ``until``; failures there are retried until then."""
+        """
+        The finished exec result, or None if Islo still said "running" at ``until``. Failures to ask
+        are retried until then; if the last one failed too, the outcome is unknown, which is terminal.
+        """
         sandboxes = self._client().sandboxes
         pause = POLL_FIRST
         while True:
+            failure: Exception | None = None
             try:
                 result = sandboxes.get_exec_result(handle, exec_id, request_options=self._options())
             except Exception as err:
                 if not driver.transient(err):
                     raise driver.translate(err, "reading a command's result", handle) from err
-                result = None
+                failure, result = err, None
             if result is not None and str(result.status).lower() not in RUNNING:
                 return result
             if self._monotonic() + pause >= until:
+                if failure is not None:
+                    raise SandboxTerminalError(
+                        f"Islo did not answer for the result of a command in sandbox {handle} until its deadline "
+                        f"({driver.error_message(failure)}); it may still be running."
+                    ) from failure
                 return None
             self._sleep(pause)
             pause = min(pause * POLL_GROWTH, POLL_LONGEST)
-
-    def _abandon(self, handle: str, output: OutputSink, timeout: float) -> RunOutcome:
-        """The command outlived its deadline and the kill inside the sandbox: delete the sandbox to stop it."""
-        try:
-            self._destroy(handle)
-        except SandboxError as err:
-            raise SandboxTerminalError(
-                f"A command in sandbox {handle} outlived its {timeout:g} s deadline, and the sandbox could not be "
-                f"deleted to stop it ({err}); Islo deletes it at the end of its delete_after lifetime."
-            ) from err
-        output.stderr(
-            f"\nThe command outlived its {timeout:g} s deadline and the kill inside the sandbox, so sandbox {handle} "
-            "was deleted to stop it.\n"
-        )
-        return RunOutcome(exit_code=-1, timed_out=True, sandbox_terminated=True)
 
     def _destroy(self, handle: str) -> None:
         islo = driver.import_islo()
@@ -385,12 +384,6 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
             self._call(delete, budget=DELETE_BUDGET)
         except Exception as err:
             raise driver.translate(err, "deleting the sandbox", handle) from err
-
-    def _discard(self, handle: str) -> None:
-        try:
-            self._destroy(handle)
-        except Exception:  # the failure being reported matters more
-            log.warning("Could not delete Islo sandbox %s after a failed create", handle, exc_info=True)
 
     # -- files -----------------------------------------------------------------------------------------
 
