@@ -38,7 +38,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO, Any, cast
 
 from sandbox_provider.hooks import _boat_driver as driver
 from sandbox_provider.hooks._deadline_run import parse_status, replay, wrapper_command
@@ -355,7 +355,7 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
         except _PathRefused as refused:
             # Boat resolves links before it checks the path; the shell writes where the link leads.
             log.info("Boat refused a native write to %s; writing it through the shell", target)
-            return super().import_file(handle, path, _Rejoined(refused.first, source))
+            return super().import_file(handle, path, cast(IO[bytes], _Rejoined(refused.first, source)))
 
     def _import_native(self, handle: str, path: str, target: str, source: IO[bytes]) -> int:
         started = self._shell(handle, guest.shell_command("write.sh", "start", target), max_output_bytes=4096)

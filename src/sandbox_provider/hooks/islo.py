@@ -403,7 +403,7 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
             raise SandboxError(f"The sandbox did not report the size of {path!r}.")
         return size
 
-    def _download(self, handle: str, path: str, sink: Callable[[bytes], None], max_bytes: int) -> int:
+    def _download(self, handle: str, path: str, sink: Callable[[bytes], object], max_bytes: int) -> int:
         """Stream the file into ``sink``; stop past ``max_bytes`` and return the bytes seen (``max_bytes + 1`` then)."""
         sandboxes = self._client().sandboxes
         seen = 0
