@@ -72,7 +72,10 @@ def test_construction_reads_no_connection_and_imports_no_sdk(monkeypatch):
     ("kwargs", "message"),
     [
         ({"machine_type": "huge"}, "machine_type must be one of 'small', 'default', 'large', 'xlarge'"),
-        ({"ttl_seconds": 30 * 24 * 3600 + 1}, "ttl_seconds must be a whole number of seconds from 60 to 2592000"),
+        (
+            {"sandbox_timeout": 30 * 24 * 3600 + 1},
+            "sandbox_timeout must be a whole number of seconds from 60 to 2592000",
+        ),
         ({"ready_timeout": 0}, "ready_timeout"),
     ],
 )
@@ -148,7 +151,7 @@ def test_env_names_a_shell_cannot_export_are_refused(boat_hook, boat_service):
 
 
 def test_create_sends_the_lifetime_size_and_env_under_an_idempotency_key(boat_hook, boat_service):
-    handle = boat_hook(machine_type="large", ttl_seconds=900).create(
+    handle = boat_hook(machine_type="large", sandbox_timeout=900).create(
         spec=SandboxSpec(block_network=False, env={"TOKEN": "t"})
     )
     request = boat_service.sandboxes[handle].request
@@ -157,8 +160,8 @@ def test_create_sends_the_lifetime_size_and_env_under_an_idempotency_key(boat_ho
     assert request["name"].startswith("airflow-sandbox-") and list(boat_service.idempotency.values()) == [handle]
 
 
-def test_the_deadline_never_outlasts_ttl_seconds(boat_hook):
-    hook = boat_hook(ttl_seconds=60)
+def test_the_deadline_never_outlasts_the_lifetime(boat_hook):
+    hook = boat_hook(sandbox_timeout=60)
     result = sh(hook, hook.create(spec=OPEN), "true", timeout=300)
     assert result.ok and result.applied_timeout <= 60
 

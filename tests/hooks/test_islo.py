@@ -80,7 +80,7 @@ def test_construction_reads_no_connection_and_imports_no_sdk(monkeypatch):
     ("kwargs", "message"),
     [
         ({"vcpus": 0}, "vcpus must be a whole number"),
-        ({"delete_after": 10}, "delete_after must be a whole number of seconds of at least 60"),
+        ({"sandbox_timeout": 10}, "sandbox_timeout must be a whole number of seconds of at least 60"),
         ({"auto_resume": "sometimes"}, "auto_resume must be one of 'on_activity', 'never'"),
         ({"base_url": "http://islo.example.com"}, "base_url must be an https:// URL"),
         ({"workdir": "relative/dir"}, "workdir"),
@@ -177,7 +177,7 @@ def test_the_network_switch_follows_block_network(islo_hook, islo_service, block
 
 
 def test_create_sends_the_spec_sizing_and_lifecycle(islo_hook, islo_service):
-    hook = islo_hook(image="python:3.12", vcpus=2, memory_mb=4096, delete_after=7200, pause_after_idle=120)
+    hook = islo_hook(image="python:3.12", vcpus=2, memory_mb=4096, sandbox_timeout=7200, pause_after_idle=120)
     handle = hook.create(spec=SandboxSpec(env={"TOKEN": "t"}))
     request = islo_service.sandboxes[handle].request
     assert request["name"] == handle and handle.startswith("airflow-sandbox-")
@@ -193,8 +193,8 @@ def test_defaults_leave_sizing_to_islo_and_pause_an_idle_sandbox(islo_hook, islo
     assert request["lifecycle"] == {"delete_after": 3600, "pause_after_idle": 600, "auto_resume": "on_activity"}
 
 
-def test_the_deadline_never_outlasts_delete_after_counted_from_creation(islo_hook):
-    hook = islo_hook(delete_after=60)
+def test_the_deadline_never_outlasts_the_lifetime_counted_from_creation(islo_hook):
+    hook = islo_hook(sandbox_timeout=60)
     handle = hook.create(spec=SandboxSpec())
     result = sh(hook, handle, "true", timeout=600)
     assert result.ok and result.applied_timeout <= 60

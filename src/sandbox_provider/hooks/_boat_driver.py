@@ -125,7 +125,7 @@ def translate(err: BaseException, doing: str, handle: str | None = None, *, mayb
         return SandboxTerminalError(f"Boat refused {doing} for billing reasons ({detail}); check the account.")
     if status == 404:
         return SandboxTerminalError(
-            f"Boat has no {what} any more ({detail}): it was deleted, or its ttl_seconds lifetime ended. "
+            f"Boat has no {what} any more ({detail}): it was deleted, or its lifetime (sandbox_timeout) ended. "
             "Provision a new sandbox."
         )
     if status == 409:

@@ -159,7 +159,7 @@ def abandon_runaway(destroy: Callable[[str], None], handle: str, output: Any, ti
     tell the command's stderr (``output``, an ``OutputSink``), and return the outcome that says so.
 
     :param ends: how the service ends the sandbox by itself, for the message when the delete fails
-        (``"Islo deletes it at the end of its delete_after lifetime"``).
+        (``"Islo deletes it at the end of its lifetime"``).
     :raises SandboxTerminalError: when the sandbox could not be deleted.
     """
     from sandbox_provider.sandbox.hook import RunOutcome

@@ -124,7 +124,7 @@ def translate(err: BaseException, doing: str, handle: str | None = None, *, mayb
         return SandboxTerminalError(f"Islo refused {doing} for billing reasons ({detail}); check the account.")
     if status == 404:
         return SandboxTerminalError(
-            f"Islo has no {what} any more ({detail}): it was deleted, or its delete_after lifetime ended. "
+            f"Islo has no {what} any more ({detail}): it was deleted, or its lifetime (sandbox_timeout) ended. "
             "Provision a new sandbox."
         )
     if status == 409:

@@ -5,8 +5,8 @@ The Boat backend (formerly Ascii Box): sandboxes on Boat's hosted platform, thro
   it. So only ``SandboxSpec(block_network=False)`` is accepted: a spec that asks for no network or
   for an allowlist is refused before anything is provisioned.
 - **Not attachable**: Boat keeps no metadata to carry the owner and holder stamps; an owner is refused.
-- **Lifetime**: ``ttl_seconds`` (Boat archives the sandbox then; snapshots are off, so its disk
-  goes). Deletes are asynchronous: Boat accepts them and finishes later.
+- **Lifetime**: ``sandbox_timeout`` seconds, sent as Boat's ``ttl_seconds`` (Boat archives the
+  sandbox then; snapshots are off, so its disk goes). Deletes are asynchronous: Boat accepts them and finishes later.
 - **Commands**: Boat runs a command synchronously for at most 600 s and answers nothing until it
   ends. Each command runs under the guest program ``run_with_deadline.sh`` in a login shell, with
   its deadline (at most 585 s) enforced inside the sandbox and the tails of its output replayed
@@ -85,8 +85,8 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
 
     :param boat_conn_id: the Airflow connection to read.
     :param machine_type: ``"small"``, ``"default"`` (the default), ``"large"`` or ``"xlarge"``.
-    :param ttl_seconds: lifetime in seconds, after which Boat archives the sandbox; default 3600,
-        at most 30 days.
+    :param sandbox_timeout: lifetime in seconds, after which Boat archives the sandbox (its
+        ``ttl_seconds``); default 3600, at most 30 days.
     :param ready_timeout: seconds to wait for a new sandbox to be ready; default 300.
     :param request_timeout: seconds one API request may take past a command's deadline; default 30.
     :raises ValueError: for a setting of the wrong type or out of bounds.
@@ -118,7 +118,7 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
         boat_conn_id: str = FORM.default_conn_name,
         *,
         machine_type: str | None = None,
-        ttl_seconds: int | None = None,
+        sandbox_timeout: int | None = None,
         ready_timeout: float | None = None,
         request_timeout: float | None = None,
         **kwargs: Any,
@@ -130,13 +130,15 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
         self._args = self.settings.check_args(
             {
                 "machine_type": machine_type,
-                "ttl_seconds": ttl_seconds,
+                "sandbox_timeout": sandbox_timeout,
                 "ready_timeout": ready_timeout,
                 "request_timeout": request_timeout,
             }
         )
         self._lock = threading.Lock()
         self._settings_obj: dict[str, Any] | None = None
+        #: The API key and the API base URL, from the connection or the environment.
+        self._service: tuple[str, str] = ("", "")
         self._api_obj: Any = None
         #: spec.env by handle, exported again at the start of every command.
         self._env: dict[str, dict[str, str]] = {}
@@ -158,18 +160,16 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
                 )
             where = f"The host of connection {found.conn_id!r}" if found.host else "BOAT_BASE_URL"
             url = found.host or os.environ.get("BOAT_BASE_URL") or driver.DEFAULT_BASE_URL
-            settings.update(api_key=api_key, base_url=check_service_url(url, where))
+            self._service = (api_key, check_service_url(url, where))
             self._settings_obj = settings
         return self._settings_obj
-
-    def _lifetime_seconds(self) -> float:
-        return float(self._resolved()["ttl_seconds"])
 
     def _api(self) -> Any:
         with self._lock:
             if self._api_obj is None:
-                settings = self._resolved()
-                self._api_obj = driver.make_api(settings["base_url"], settings["api_key"])
+                self._resolved()
+                api_key, base_url = self._service
+                self._api_obj = driver.make_api(base_url, api_key)
             return self._api_obj
 
     @property
@@ -295,7 +295,11 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
         result = answer.actual_instance
         if result.timed_out:
             return abandon_runaway(
-                self._destroy, handle, output, timeout, ends="Boat archives it at the end of its ttl_seconds"
+                self._destroy,
+                handle,
+                output,
+                timeout,
+                ends="Boat archives it at the end of its lifetime (sandbox_timeout)",
             )
         run = parse_status(result.stdout or "", result.stderr or "")
         if run is None:

@@ -7,8 +7,8 @@ The Islo backend: sandboxes as microVMs on Islo's hosted platform, through the `
   asked for. ``PATH`` in ``spec.env`` is refused too: Islo sets ``PATH`` itself.
 - **Not attachable**: Islo keeps no metadata with a sandbox to carry the owner and holder stamps,
   so an owner is refused.
-- **Lifetime**: ``delete_after`` seconds counted from creation, not from last use (so a long job
-  needs a long one); ``pause_after_idle`` pauses an idle sandbox, and with
+- **Lifetime**: ``sandbox_timeout`` seconds, sent as Islo's ``delete_after``, which counts from
+  creation, not from last use (so a long job needs a long one); ``pause_after_idle`` pauses an idle sandbox, and with
   ``auto_resume="on_activity"`` the next command resumes it.
 - **Commands**: Islo runs a command asynchronously and keeps at most 1 MiB of each stream, and does
   not stop a command at its deadline. So every command runs under the guest program
@@ -81,7 +81,7 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
     :param vcpus: virtual CPUs; default Islo's.
     :param memory_mb: memory in MiB; default Islo's.
     :param disk_gb: disk in GB; default Islo's.
-    :param delete_after: lifetime in seconds, counted from creation; default 3600.
+    :param sandbox_timeout: lifetime in seconds, counted from creation (Islo's ``delete_after``); default 3600.
     :param pause_after_idle: seconds idle before Islo pauses the sandbox (at least 60); default 600.
     :param auto_resume: ``"on_activity"`` (default) or ``"never"``.
     :param base_url: Islo's control API URL (where the API key is exchanged).
@@ -114,7 +114,7 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
         vcpus: int | None = None,
         memory_mb: int | None = None,
         disk_gb: int | None = None,
-        delete_after: int | None = None,
+        sandbox_timeout: int | None = None,
         pause_after_idle: int | None = None,
         auto_resume: str | None = None,
         base_url: str | None = None,
@@ -132,7 +132,7 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
                 "vcpus": vcpus,
                 "memory_mb": memory_mb,
                 "disk_gb": disk_gb,
-                "delete_after": delete_after,
+                "sandbox_timeout": sandbox_timeout,
                 "pause_after_idle": pause_after_idle,
                 "auto_resume": auto_resume,
                 "base_url": base_url,
@@ -144,6 +144,8 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
         self.workdir = check_workdir(workdir)
         self._lock = threading.Lock()
         self._settings_obj: dict[str, Any] | None = None
+        #: The API key and compute URL the connection gives (None each: the SDK's environment variables).
+        self._service: tuple[str | None, str | None] = (None, None)
         self._client_obj: Any = None
         # Deadlines read these; tests swap them for a scripted clock.
         self._monotonic: Callable[[], float] = time.monotonic
@@ -155,18 +157,12 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
         if self._settings_obj is None:
             found = load_connection(self, self.islo_conn_id, fallback="ISLO_API_KEY and ISLO_COMPUTE_URL")
             settings = found.resolve(self.settings, self._args)
-            if found.host:
-                settings["compute_url"] = check_service_url(found.host, f"The host of connection {found.conn_id!r}")
-            else:
-                settings["compute_url"] = None
             if settings["base_url"]:
                 settings["base_url"] = check_service_url(settings["base_url"], "base_url")
-            settings["api_key"] = found.password
+            where = f"The host of connection {found.conn_id!r}"
+            self._service = (found.password, check_service_url(found.host, where) if found.host else None)
             self._settings_obj = settings
         return self._settings_obj
-
-    def _lifetime_seconds(self) -> float:
-        return float(self._resolved()["delete_after"])
 
     def _new_http_client(self, timeout: float) -> Any:
         """The ``httpx.Client`` the SDK sends through; tests swap in a mock transport here."""
@@ -179,16 +175,17 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
             if self._client_obj is None:
                 islo = driver.import_islo()
                 settings = self._resolved()
-                if not (settings["api_key"] or os.environ.get("ISLO_API_KEY")):
+                api_key, compute_url = self._service
+                if not (api_key or os.environ.get("ISLO_API_KEY")):
                     raise SandboxTerminalError(
                         f"No Islo API key: set the password of connection {self.islo_conn_id!r}, or ISLO_API_KEY "
                         "on the worker."
                     )
                 timeout = float(settings["request_timeout"])
                 self._client_obj = islo.Islo(
-                    api_key=settings["api_key"],
+                    api_key=api_key,
                     base_url=settings["base_url"],
-                    compute_url=settings["compute_url"],
+                    compute_url=compute_url,
                     timeout=timeout,
                     httpx_client=self._new_http_client(timeout),
                 )
@@ -315,7 +312,11 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
         result = self._poll(handle, started.exec_id, until=self._monotonic() + timeout + KILL_AFTER + RESULT_GRACE)
         if result is None or str(result.status).lower() == "timeout":
             return abandon_runaway(
-                self._destroy, handle, output, timeout, ends="Islo deletes it at the end of its delete_after lifetime"
+                self._destroy,
+                handle,
+                output,
+                timeout,
+                ends="Islo deletes it at the end of its lifetime (sandbox_timeout)",
             )
         run = parse_status(result.stdout or "", result.stderr or "")
         if run is None:

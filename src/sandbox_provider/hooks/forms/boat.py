@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from sandbox_provider.sandbox.settings import ConnectionForm, Setting, SettingsTable
 
-DEFAULT_TTL_SECONDS = 3600
+DEFAULT_SANDBOX_TIMEOUT = 3600
 #: Boat archives a sandbox after at most 30 days.
-MAX_TTL_SECONDS = 30 * 24 * 3600
+MAX_SANDBOX_TIMEOUT = 30 * 24 * 3600
 DEFAULT_READY_TIMEOUT = 300.0
 DEFAULT_REQUEST_TIMEOUT = 30.0
 MACHINE_TYPES = ("small", "default", "large", "xlarge")
@@ -21,15 +21,15 @@ SETTINGS = SettingsTable(
         choices=MACHINE_TYPES,
     ),
     Setting(
-        "ttl_seconds",
+        "sandbox_timeout",
         int,
-        DEFAULT_TTL_SECONDS,
+        DEFAULT_SANDBOX_TIMEOUT,
         label="Sandbox lifetime (seconds)",
-        help="Seconds after which Boat archives the sandbox (at most 30 days); snapshots are off, so its disk "
-        "goes with it.",
+        help="Seconds after which Boat archives the sandbox (its ttl_seconds, at most 30 days); snapshots are off, "
+        "so its disk goes with it.",
         unit="seconds",
         minimum=60,
-        maximum=MAX_TTL_SECONDS,
+        maximum=MAX_SANDBOX_TIMEOUT,
     ),
     Setting(
         "ready_timeout",

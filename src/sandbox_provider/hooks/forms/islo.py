@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from sandbox_provider.sandbox.settings import ConnectionForm, Setting, SettingsTable
 
-DEFAULT_DELETE_AFTER = 3600
+DEFAULT_SANDBOX_TIMEOUT = 3600
 DEFAULT_PAUSE_AFTER_IDLE = 600
 DEFAULT_REQUEST_TIMEOUT = 30.0
 AUTO_RESUME = ("on_activity", "never")
@@ -27,11 +27,11 @@ SETTINGS = SettingsTable(
     ),
     Setting("disk_gb", int, label="Disk (GB)", help="Disk per sandbox in GB. Default: Islo's.", unit="GB", minimum=1),
     Setting(
-        "delete_after",
+        "sandbox_timeout",
         int,
-        DEFAULT_DELETE_AFTER,
+        DEFAULT_SANDBOX_TIMEOUT,
         label="Sandbox lifetime (seconds)",
-        help="Seconds from creation (not from last use) after which Islo deletes the sandbox.",
+        help="Seconds from creation (not from last use) after which Islo deletes the sandbox (its delete_after).",
         unit="seconds",
         minimum=60,
     ),
