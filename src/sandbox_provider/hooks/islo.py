@@ -38,7 +38,7 @@ from sandbox_provider.hooks._hosted import abandon_runaway, call, check_service_
 from sandbox_provider.hooks.forms.islo import FORM
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
-from sandbox_provider.sandbox.files import ShellFiles, check_export_size, file_failure, reported_size
+from sandbox_provider.sandbox.files import ShellFiles, check_export_size, checked_size, file_failure
 from sandbox_provider.sandbox.hook import Capabilities, OutputSink, ProvisionRequest, RunOutcome, SandboxHook
 from sandbox_provider.sandbox.spec import DEFAULT_WORKDIR, SandboxSpec, check_byte_count, check_path, check_workdir
 
@@ -395,14 +395,7 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
         """The size of the regular file at ``path``, checked in the sandbox (missing, directory, too large)."""
         limit = "-" if max_bytes is None else int(max_bytes)
         result = self._shell(handle, guest.shell_command("file.sh", path, limit, "check"), max_output_bytes=4096)
-        size = reported_size(result.stderr)
-        if result.exit_code == guest.TOO_LARGE_STATUS:
-            raise SandboxFileTooLargeError(path, size or int(max_bytes or 0) + 1, int(max_bytes or 0))
-        if not result.ok:
-            raise file_failure(result, path, verb)
-        if size is None:
-            raise SandboxError(f"The sandbox did not report the size of {path!r}.")
-        return size
+        return checked_size(result, path, int(max_bytes or 0), verb)
 
     def _download(self, handle: str, path: str, sink: Callable[[bytes], object], max_bytes: int) -> int:
         """Stream the file into ``sink``; stop past ``max_bytes`` and return the bytes seen (``max_bytes + 1`` then)."""
