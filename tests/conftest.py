@@ -111,3 +111,26 @@ def docker_conn(docker_client):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(f"AIRFLOW_CONN_{DOCKER_CONN_ID.upper()}", value)
         yield DOCKER_CONN_ID
+
+
+@pytest.fixture(scope="session")
+def opensandbox_server(docker_client, tmp_path_factory):
+    """
+    The real ``opensandbox-server`` on loopback, one per session, with the project's execd image
+    (``tests/opensandbox_harness.py``); at the end it stops and removes what it created.
+    """
+    pytest.importorskip("opensandbox")
+    try:
+        from tests.opensandbox_harness import OpenSandboxServer, missing_prerequisite
+    except ImportError:  # tests/ is not a package: the test directory is on sys.path instead
+        from opensandbox_harness import OpenSandboxServer, missing_prerequisite
+
+    reason = missing_prerequisite(docker_client)
+    if reason:
+        docker_unavailable(reason)
+    server = OpenSandboxServer(tmp_path_factory.mktemp("opensandbox-server"), docker_client)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.cleanup()
