@@ -120,8 +120,9 @@ class OpenSandboxServer:
                 "publish_host": "127.0.0.1",
                 "sandbox_env": {MARK: self.token},
             },
-            # No sidecar image can be had here; a test that gives a policy gets the server's own error.
-            "egress": {"image": "opensandbox/egress:v1.1.7", "mode": self.egress_mode},
+            # No egress sidecar image can be had here. A local image that is none (so nothing is pulled from a
+            # registry) makes a sandbox with a policy fail fast, as on a server whose sidecar cannot start.
+            "egress": {"image": SANDBOX_IMAGE, "mode": self.egress_mode, "readiness_timeout_seconds": 2},
         }
         lines = []
         for name, values in sections.items():

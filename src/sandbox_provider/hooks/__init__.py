@@ -22,6 +22,7 @@ HOOK_CLASSES: tuple[str, ...] = (
     "sandbox_provider.hooks.local:LocalSandboxHook",
     "sandbox_provider.hooks.docker:DockerSandboxHook",
     "sandbox_provider.hooks.modal:ModalSandboxHook",
+    "sandbox_provider.hooks.opensandbox:OpenSandboxHook",
 )
 
 
