@@ -19,10 +19,15 @@ pytest.importorskip("opensandbox")
 pytest.importorskip("docker")
 
 from opensandbox import SandboxSync  # noqa: E402
-from opensandbox.exceptions import SandboxApiException, SandboxConnectionException  # noqa: E402
-from opensandbox.models.execd import RunCommandOpts  # noqa: E402
+from opensandbox.exceptions import SandboxApiException  # noqa: E402
+
+from sandbox_provider.hooks.opensandbox import OpenSandboxHook  # noqa: E402
+from sandbox_provider.sandbox import SandboxSpec  # noqa: E402
+from sandbox_provider.sandbox.errors import SandboxTerminalError  # noqa: E402
 
 pytestmark = pytest.mark.docker
+
+OPEN = SandboxSpec(block_network=False)
 
 try:
     from tests.opensandbox_harness import MARK, SANDBOX_IMAGE
@@ -50,13 +55,17 @@ def _gone(server, sandbox_id: str, seconds: float = 30.0) -> bool:
 
 
 @pytest.fixture(scope="module")
-def expiring(opensandbox_server):
-    """A sandbox with the server's minimum lifetime (60 s), created first so its expiry overlaps the others."""
-    sandbox = _create(opensandbox_server, lifetime=60, metadata={"purpose": "expiry"})
-    return {"sandbox": sandbox, "created": time.monotonic()}
+def expiring(opensandbox_conn):
+    """A hook sandbox with the server's minimum lifetime (60 s), made first so its expiry overlaps the others."""
+    from sandbox_provider.hooks.opensandbox import OpenSandboxHook
+
+    hook = OpenSandboxHook(opensandbox_conn, sandbox_timeout=60)
+    handle = hook.create(spec=OPEN)
+    return {"handle": handle, "created": time.monotonic()}
 
 
 def test_create_runs_a_real_container_with_the_projects_guest_daemon(opensandbox_server, expiring):
+    """The SDK alone; ``expiring`` is requested first so its 60 s run alongside this module's other tests."""
     sandbox = _create(opensandbox_server, env={"GREETING": "hello"}, metadata={"owner-hint": "test"})
     try:
         container = opensandbox_server.sandbox_container(sandbox.id)
@@ -97,41 +106,91 @@ def test_metadata_can_be_patched_after_create_within_label_rules(opensandbox_ser
         sandbox.destroy()
 
 
-def test_a_removed_container_fails_the_running_command(opensandbox_server):
-    sandbox = _create(opensandbox_server)
-    container = opensandbox_server.sandbox_container(sandbox.id)
+# -- the hook, end to end ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hook(opensandbox_conn):
+    return OpenSandboxHook(opensandbox_conn)
+
+
+def test_the_hook_creates_the_servers_container_and_destroy_removes_it(opensandbox_server, hook):
+    handle = hook.create(spec=SandboxSpec(block_network=False, env={"WHO": "hook"}))
+    container = opensandbox_server.sandbox_container(handle)
+    assert container is not None and container.status == "running"
+    assert container.attrs["Config"]["Image"] == SANDBOX_IMAGE
+    assert "WHO=hook" in container.attrs["Config"]["Env"]
+    result = hook.run_command(handle, "echo $WHO; pwd; kill -9 $$", timeout=30, max_output_bytes=4096)
+    assert (result.stdout, result.exit_code, result.timed_out) == ("hook\n/workspace\n", 137, False)
+    hook.destroy(handle)
+    assert _gone(opensandbox_server, handle)
+    hook.destroy(handle)
+
+
+@pytest.mark.parametrize("size", [20 * 1024, 5 * 1024 * 1024, 50 * 1024 * 1024], ids=["20KB", "5MB", "50MB"])
+def test_files_cross_byte_for_byte(hook, tmp_path, size):
+    import hashlib
+    import io
+    import os
+
+    data = os.urandom(size)
+    handle = hook.create(spec=OPEN)
+    try:
+        assert hook.import_file(handle, f"in/{size}.bin", io.BytesIO(data)) == size
+        inside = hook.run_command(handle, f"sha256sum in/{size}.bin", timeout=120, max_output_bytes=4096)
+        assert inside.stdout.split()[0] == hashlib.sha256(data).hexdigest()
+        out = tmp_path / "out.bin"
+        with out.open("wb") as sink:
+            assert hook.export_file(handle, f"in/{size}.bin", sink, max_bytes=size) == size
+        assert out.read_bytes() == data
+    finally:
+        hook.destroy(handle)
+
+
+def test_a_blocked_network_is_refused_on_a_server_without_an_enforcing_sidecar(opensandbox_server, hook):
+    before = {c.name for c in opensandbox_server.own_containers()}
+    with pytest.raises(SandboxTerminalError, match="egress sidecar"):
+        hook.create(spec=SandboxSpec())
+    assert {c.name for c in opensandbox_server.own_containers()} == before
+
+
+def test_attach_rides_on_the_servers_metadata(opensandbox_conn, hook):
+    handle = hook.create(spec=SandboxSpec(block_network=False, owner="dag_run:etl/manual__2024-01-01T00:00:00+00:00"))
+    try:
+        later = OpenSandboxHook(opensandbox_conn)
+        attached = later.attach(handle, owner="dag_run:etl/manual__2024-01-01T00:00:00+00:00", holder="etl/r/collect")
+        assert attached.workdir == "/workspace" and attached.network == OPEN
+        later.release(handle, holder="etl/r/collect")
+        assert "airflow_holder" not in later.read_tags(handle)
+    finally:
+        hook.destroy(handle)
+
+
+def test_a_container_removed_mid_command_is_terminal(opensandbox_server, hook):
+    handle = hook.create(spec=OPEN)
     started = threading.Event()
+    container = opensandbox_server.sandbox_container(handle)
     remover = threading.Thread(target=lambda: (started.wait(30), time.sleep(0.5), container.remove(force=True)))
     remover.start()
     try:
-        with pytest.raises(SandboxConnectionException):
-            sandbox.commands.run(
-                "echo running; sleep 60",
-                opts=RunCommandOpts(timeout=timedelta(seconds=90)),
-                handlers=_on_first_stdout(started),
+        with pytest.raises(SandboxTerminalError, match="ended while the command ran"):
+            hook.run_command(
+                handle, "echo running; sleep 60", timeout=90, max_output_bytes=4096, on_output=lambda *_: started.set()
             )
     finally:
         remover.join()
-    with pytest.raises(SandboxApiException) as err:
-        sandbox.get_info()
-    assert err.value.status_code == 404
+    hook.destroy(handle)  # already gone: not an error
 
 
-def _on_first_stdout(event: threading.Event):
-    from opensandbox.models.execd_sync import ExecutionHandlersSync
-
-    return ExecutionHandlersSync(on_stdout=lambda _message: event.set())
-
-
-def test_a_live_sandbox_survives_a_server_restart_and_then_expires_on_time(opensandbox_server, expiring):
-    sandbox = expiring["sandbox"]
+def test_a_live_sandbox_survives_a_server_restart_and_then_expires_on_time(
+    opensandbox_server, opensandbox_conn, expiring
+):
+    handle = expiring["handle"]
     opensandbox_server.restart()
-    again = SandboxSync.connect(sandbox.id, connection_config=opensandbox_server.connection_config())
-    assert again.commands.run("echo after-restart").exit_code == 0
-    assert again.get_info().metadata == {"purpose": "expiry"}
+    again = OpenSandboxHook(opensandbox_conn)  # a new worker: reconnects by id
+    assert again.run_command(handle, "echo after-restart", timeout=30, max_output_bytes=4096).ok
     # The server restored its expiry timer from the container's labels: the sandbox goes at 60 s.
     remaining = 60 - (time.monotonic() - expiring["created"])
-    assert _gone(opensandbox_server, sandbox.id, seconds=remaining + 30)
-    with pytest.raises(SandboxApiException) as err:
-        again.get_info()
-    assert err.value.status_code == 404
+    assert _gone(opensandbox_server, handle, seconds=remaining + 30)
+    with pytest.raises(SandboxTerminalError):
+        again.run_command(handle, "true", timeout=30, max_output_bytes=4096)

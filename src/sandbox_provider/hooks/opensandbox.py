@@ -384,16 +384,17 @@ class OpenSandboxHook(Attachable, SandboxHook):
         if err is not None and driver.status_of(err) not in (None, 404):
             return driver.api_error(err, "running a command", self._where, handle)
         try:
-            state = self._manager().get_sandbox_info(handle).status.state
+            state = str(self._manager().get_sandbox_info(handle).status.state)
         except Exception as info_err:
-            if driver.status_of(info_err) == 404:
-                return SandboxTerminalError(
-                    f"Sandbox {handle!r} ended while the command ran: its container was removed or its lifetime "
-                    f"ran out on {self._where}, and the command's outcome is unknown. Provision a new sandbox."
-                )
-            return driver.api_error(info_err, "checking a sandbox after a command", self._where, handle)
-        if str(state).lower() != "running":
-            return SandboxTerminalError(f"Sandbox {handle!r} is {state} on {self._where}; provision a new sandbox.")
+            if driver.status_of(info_err) != 404:
+                return driver.api_error(info_err, "checking a sandbox after a command", self._where, handle)
+            state = None
+        if state is None or state.lower() != "running":
+            now = "is gone" if state is None else f"is {state}"
+            return SandboxTerminalError(
+                f"Sandbox {handle!r} ended while the command ran (it {now} on {self._where}: its container was "
+                "removed or its lifetime ran out), and the command's outcome is unknown. Provision a new sandbox."
+            )
         return SandboxError(
             f"The output stream of the command in sandbox {handle!r} broke ({err or 'no outcome'}); the sandbox still "
             "runs, so the command may have finished. Check its effects before running it again."

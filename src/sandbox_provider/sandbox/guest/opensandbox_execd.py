@@ -372,8 +372,7 @@ def _read_ready(run: CommandRun, selector, key, out: ChunkedWriter) -> None:
     if not data:
         selector.unregister(key.fileobj)
         return
-    for line in run.lines(key.data, data):
-        out.write(event(key.data, text=line))
+    out.write(b"".join(event(key.data, text=line) for line in run.lines(key.data, data)))
 
 
 def _drain(run: CommandRun, selector, out: ChunkedWriter) -> None:
@@ -386,8 +385,7 @@ def _drain(run: CommandRun, selector, out: ChunkedWriter) -> None:
                 break
             if not data:
                 break
-            for line in run.lines(key.data, data):
-                out.write(event(key.data, text=line))
+            out.write(b"".join(event(key.data, text=line) for line in run.lines(key.data, data)))
     for stream in ("stdout", "stderr"):
         for line in run.lines(stream, b"", final=True):
             out.write(event(stream, text=line))
