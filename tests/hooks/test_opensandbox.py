@@ -374,3 +374,18 @@ def test_stamps_survive_any_text_as_label_values():
     patch = driver.stamps_patch(metadata, {OWNER_TAG: "short"})
     assert patch[f"{OWNER_TAG}.0"] == driver.encode_stamps({OWNER_TAG: "short"})[f"{OWNER_TAG}.0"]
     assert patch["airflow_x.7"] is None and "unrelated" not in patch
+
+
+def test_the_toolset_says_what_each_network_mode_lets_through(hook):
+    from sandbox_provider.toolsets import SandboxToolset
+
+    cases = {
+        OPEN: "no egress policy",
+        SandboxSpec(): "drops every connection and resolves no name",
+        SandboxSpec(allow_egress_to=["pypi.org"], allow_egress_to_cidrs=["203.0.113.0/24"]): (
+            "pypi.org (DNS answers only these names; their addresses, any port) and the address ranges "
+            "203.0.113.0/24 (any port)"
+        ),
+    }
+    for spec, words in cases.items():
+        assert words in SandboxToolset(hook, spec=spec)._run_command_description()

@@ -524,6 +524,26 @@ class OpenSandboxHook(Attachable, SandboxHook):
         except Exception as err:
             raise driver.api_error(err, f"updating the stamps of sandbox {handle!r}", self._where, handle) from err
 
+    def describe_network(self, spec: Any) -> str:
+        """What a sandbox of ``spec`` can reach here, in words for a model (the toolset's description)."""
+        if not spec.block_network:
+            return "The sandbox can reach the network: the OpenSandbox server gave it no egress policy."
+        hosts, cidrs = list(spec.allow_egress_to or ()), list(spec.allow_egress_to_cidrs or ())
+        if not hosts and not cidrs:
+            return (
+                "The sandbox has no network access: its egress sidecar drops every connection and resolves no "
+                "name, so installing packages or downloading anything will fail; work with what is installed."
+            )
+        reach = []
+        if hosts:
+            reach.append(f"the hosts {', '.join(hosts)} (DNS answers only these names; their addresses, any port)")
+        if cidrs:
+            reach.append(f"the address ranges {', '.join(cidrs)} (any port)")
+        return (
+            f"The sandbox can reach only {' and '.join(reach)}; its egress sidecar drops everything else, so "
+            "installing packages from elsewhere will not work."
+        )
+
     def _test_where(self) -> str:
         return f" ({self._where})"
 
