@@ -120,7 +120,9 @@ def network_policy(spec: SandboxSpec) -> Any:
     from opensandbox.models.sandboxes import NetworkPolicy, NetworkRule
 
     targets = [*(spec.allow_egress_to or ()), *(spec.allow_egress_to_cidrs or ())]
-    return NetworkPolicy(default_action="deny", egress=[NetworkRule(action="allow", target=t) for t in targets])
+    return NetworkPolicy.model_validate(
+        {"defaultAction": "deny", "egress": [NetworkRule(action="allow", target=t) for t in targets]}
+    )
 
 
 _HOST_LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)")

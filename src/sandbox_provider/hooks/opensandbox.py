@@ -63,6 +63,13 @@ SPOOL_MEMORY_BYTES = 8 * 1024 * 1024
 MAX_LIST_ENTRIES = 100_000
 
 
+def _status_error(status: int, path: str) -> SandboxError:
+    """The shared wording for a missing file, a directory or a file that is not regular."""
+    error = file_status_error(status, path)
+    assert error is not None, status
+    return error
+
+
 class _CountingReader(io.RawIOBase):
     """A binary reader over ``source`` that counts the bytes read (an upload's size)."""
 
@@ -410,7 +417,7 @@ class OpenSandboxHook(Attachable, SandboxHook):
         from opensandbox.exceptions import SandboxApiException
 
         if isinstance(err, SandboxApiException) and driver.status_of(err) == 404 and "FILE_NOT_FOUND" in str(err):
-            return file_status_error(guest.MISSING_STATUS, path)  # type: ignore[return-value]
+            return _status_error(guest.MISSING_STATUS, path)
         if isinstance(err, SandboxApiException) and driver.status_of(err) in (400, 500):
             return SandboxError(f"Could not finish {verb} {path!r}: {str(err).split(' | ')[0]}")
         return self._lost(handle, err)
@@ -425,9 +432,9 @@ class OpenSandboxHook(Attachable, SandboxHook):
         except Exception as err:
             raise self._file_error(err, handle, path, "reading") from err
         if info.entry_type == "directory":
-            raise file_status_error(guest.IS_DIR_STATUS, path)
+            raise _status_error(guest.IS_DIR_STATUS, path)
         if info.entry_type not in ("file", "symlink"):
-            raise file_status_error(guest.NOT_REGULAR_STATUS, path)
+            raise _status_error(guest.NOT_REGULAR_STATUS, path)
         size = int(info.size) if info.entry_type == "file" else None
         if size is not None and size > max_bytes:
             raise SandboxFileTooLargeError(path, size, max_bytes)

@@ -7,26 +7,21 @@ An OpenSandbox server copies ``/execd`` and ``/bootstrap.sh`` out of its configu
 every sandbox and starts the daemon there; this file is that ``/execd`` for images built without a
 registry. It runs inside the sandbox as the sandbox's user and claims no network enforcement.
 
-Served (paths may carry the ``/proxy/<own port>`` prefix the server's endpoints use):
-
-- ``GET /ping``: 200 when the daemon answers.
-- ``POST /command``: JSON ``{"command": str | "argv": [str], "cwd", "timeout" (milliseconds), "envs",
-  "uid", "gid"}``; runs ``bash -c command`` in its own process group and answers ``text/event-stream``
-  in execd's framing (one JSON object then a blank line, chunked): ``init`` (execution id), ``stdout`` /
-  ``stderr`` (one event per line, newline stripped), ``ping`` every 3 s, then ``execution_complete``
-  (exit 0) or ``error`` (``ename`` ``CommandExecError``, ``evalue`` the exit status, or ``-1`` with
-  traceback ``signal: killed`` when the timeout killed the whole group or a signal ended the shell).
-  It returns when the shell exits, without waiting for children that keep its output open.
-- ``POST /files/upload``: multipart pairs of ``metadata`` (JSON ``{"path", "mode", "owner", "group"}``,
-  mode as octal digits such as 644) and ``file``, streamed to disk; chunked or sized bodies.
-- ``GET /files/download?path=``: the bytes, honouring a single ``Range: bytes=a-b`` (206, or 416 when
-  the range starts at or past the end, an empty file included).
-- ``GET /files/info?path=...``, ``GET /directories/list?path=&depth=``, ``POST /directories``.
+Served (paths may carry the ``/proxy/<own port>`` prefix of the server's endpoints): ``GET /ping``;
+``POST /command`` (JSON ``command`` or ``argv``, ``cwd``, ``timeout`` in milliseconds, ``envs``, ``uid``,
+``gid``), which runs ``bash -c`` in its own process group and answers ``text/event-stream`` in execd's
+framing (a JSON object then a blank line, chunked): ``init``, ``stdout``/``stderr`` one event per line
+(newline stripped), ``ping`` every 3 s, then ``execution_complete`` or ``error`` (``CommandExecError``
+with the exit status, or ``-1`` and ``signal: killed`` when the timeout killed the group or a signal the
+shell); it returns when the shell exits, not waiting for children holding its output. ``POST
+/files/upload`` (multipart ``metadata`` + ``file`` pairs, streamed, mode as octal digits such as 644);
+``GET /files/download`` (one ``Range``; 416 for a range at or past the end, an empty file included);
+``GET /files/info``, ``GET /directories/list``, ``POST /directories``.
 
 Errors are JSON ``{"code", "message"}`` with execd's codes (``FILE_NOT_FOUND`` with 404, ...).
 
-Needs Python 3.9 or newer. Usage: ``opensandbox_execd.py [--host 0.0.0.0] [--port 44772]``; port 0 picks a free one. The line
-``opensandbox-execd listening on HOST:PORT`` goes to stderr once it accepts connections.
+Needs Python 3.9 or newer. Usage: ``opensandbox_execd.py [--host 0.0.0.0] [--port 44772]``; port 0
+picks a free one. ``opensandbox-execd listening on HOST:PORT`` goes to stderr once it accepts.
 ``EXECD_API_GRACE_SHUTDOWN`` (``1s``, ``500ms``; default 0) holds a finished command's stream open that
 long, as the vendor's daemon does for one second.
 """
@@ -115,14 +110,8 @@ def file_info(path: str) -> dict:
         group = grp.getgrgid(st.st_gid).gr_name
     except KeyError:
         group = str(st.st_gid)
-    if stat.S_ISLNK(st.st_mode):
-        kind = "symlink"
-    elif stat.S_ISDIR(st.st_mode):
-        kind = "directory"
-    elif stat.S_ISREG(st.st_mode):
-        kind = "file"
-    else:
-        kind = "other"
+    kinds = ((stat.S_ISLNK, "symlink"), (stat.S_ISDIR, "directory"), (stat.S_ISREG, "file"))
+    kind = next((name for test, name in kinds if test(st.st_mode)), "other")
     return {
         "path": path,
         "type": kind,
@@ -229,8 +218,13 @@ class Multipart:
             head, self._buf = self._buf.split(b"\r\n\r\n", 1)
             headers = HeaderParser().parsestr(head.decode("latin-1").lstrip("\r\n"))
             name = headers.get_param("name", header="content-disposition")
-            consumed: list[None] = []
-            yield name, lambda sink, done=consumed: done.append(self._copy_until_delimiter(sink))
+            consumed: list[bool] = []
+
+            def read_into(sink, done: list[bool] = consumed) -> None:
+                self._copy_until_delimiter(sink)
+                done.append(True)
+
+            yield name, read_into
             if not consumed:
                 self._copy_until_delimiter(lambda _data: None)
 
@@ -327,6 +321,7 @@ def stream_command(run: CommandRun, out: ChunkedWriter, client: socket.socket | 
         out.write(event("error", error={"ename": "CommandExecError", "evalue": str(err), "traceback": [str(err)]}))
         return
     out.write(event("init", text=run.id))
+    assert proc.stdout is not None and proc.stderr is not None  # both are pipes
     selector = selectors.DefaultSelector()
     for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
         os.set_blocking(pipe.fileno(), False)
@@ -466,7 +461,7 @@ class Handler(BaseHTTPRequestHandler):
         match = _PROXY_PREFIX.match(path)
         if not match:
             return path
-        if int(match.group(1)) not in (self.server.server_address[1], DEFAULT_PORT):
+        if int(match.group(1)) not in (getattr(self.server, "server_port", None), DEFAULT_PORT):
             raise RequestError(
                 502, "NOT_SUPPORTED", f"this guest daemon proxies only to itself, not port {match.group(1)}"
             )
@@ -500,7 +495,7 @@ class Handler(BaseHTTPRequestHandler):
     def ping(self) -> None:
         self._respond_json(200, "pong")
 
-    def command(self) -> None:
+    def run_command(self) -> None:
         request = self._json_body()
         if not isinstance(request, dict):
             raise RequestError(400, "INVALID_REQUEST_BODY", "the command request must be a JSON object")
@@ -519,12 +514,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def upload(self) -> None:
         boundary = self.headers.get_param("boundary", header="content-type")
-        if not boundary:
+        if not isinstance(boundary, str) or not boundary:
             raise RequestError(400, "INVALID_FILE", "multipart form is empty")
         meta, written = None, 0
         for name, read_into in Multipart(self.body, boundary).parts():
             if name == "metadata":
-                chunks = []
+                chunks: list[bytes] = []
                 read_into(chunks.append)
                 try:
                     meta = json.loads(b"".join(chunks))
@@ -645,7 +640,7 @@ def _walk(directory: str, depth: int, entries: list[dict], level: int = 0) -> No
 
 ROUTES = {
     ("GET", "/ping"): Handler.ping,
-    ("POST", "/command"): Handler.command,
+    ("POST", "/command"): Handler.run_command,
     ("POST", "/files/upload"): Handler.upload,
     ("GET", "/files/download"): Handler.download,
     ("GET", "/files/info"): Handler.files_info,
@@ -661,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     server.daemon_threads = True
-    host, port = server.server_address[:2]
+    host, port = str(server.server_address[0]), server.server_port
     sys.stderr.write(f"opensandbox-execd listening on {host}:{port}\n")
     sys.stderr.flush()
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
