@@ -28,16 +28,30 @@ if [ "${#missing[@]}" -gt 0 ]; then
   fi
 fi
 
+PY="${PYTHON:-python3}"
+if ! command -v uv >/dev/null 2>&1; then
+  log "installing uv"
+  "$PY" -m pip install -q uv
+fi
+
+# The OpenSandbox lifecycle server, which the OpenSandbox tests start, needs a newer FastAPI than
+# Airflow allows: it gets a virtualenv of its own, shared by every provider virtualenv.
+SERVER_VENV="${SANDBOX_OPENSANDBOX_SERVER_VENV:-$PWD/.venv-opensandbox-server}"
+SERVER_LOCK=requirements-opensandbox-server.lock
+server_stamp="$SERVER_VENV/.lock-$(sha256sum "$SERVER_LOCK" | cut -c1-16)"
+if [ ! -f "$server_stamp" ]; then
+  [ -x "$SERVER_VENV/bin/python" ] || uv venv -q -p "$PY" "$SERVER_VENV"
+  log "installing the OpenSandbox server into $SERVER_VENV"
+  uv pip install -q -p "$SERVER_VENV/bin/python" -r "$SERVER_LOCK"
+  rm -f "$SERVER_VENV"/.lock-*
+  touch "$server_stamp"
+fi
+
 VENV="${SANDBOX_VENV:-$PWD/.venv}"
 LOCK="${SANDBOX_LOCK:-requirements.lock}"
 stamp="$VENV/.lock-$(sha256sum "$LOCK" pyproject.toml | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then
   exit 0
-fi
-PY="${PYTHON:-python3}"
-if ! command -v uv >/dev/null 2>&1; then
-  log "installing uv"
-  "$PY" -m pip install -q uv
 fi
 if [ ! -x "$VENV/bin/python" ]; then
   log "creating $VENV"

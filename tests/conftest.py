@@ -111,3 +111,49 @@ def docker_conn(docker_client):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(f"AIRFLOW_CONN_{DOCKER_CONN_ID.upper()}", value)
         yield DOCKER_CONN_ID
+
+
+@pytest.fixture(scope="session")
+def opensandbox_server(docker_client, tmp_path_factory):
+    """
+    The real ``opensandbox-server`` on loopback, one per session, with the project's execd image
+    (``tests/opensandbox_harness.py``); at the end it stops and removes what it created.
+    """
+    pytest.importorskip("opensandbox")
+    try:
+        from tests.opensandbox_harness import OpenSandboxServer, missing_prerequisite
+    except ImportError:  # tests/ is not a package: the test directory is on sys.path instead
+        from opensandbox_harness import OpenSandboxServer, missing_prerequisite
+
+    reason = missing_prerequisite(docker_client)
+    if reason:
+        docker_unavailable(reason)
+    server = OpenSandboxServer(tmp_path_factory.mktemp("opensandbox-server"), docker_client)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def opensandbox_conn(opensandbox_server):
+    """An Airflow connection of type sandbox_opensandbox for the test server and the sandbox image."""
+    try:
+        from tests.opensandbox_harness import SANDBOX_IMAGE
+    except ImportError:  # tests/ is not a package: the test directory is on sys.path instead
+        from opensandbox_harness import SANDBOX_IMAGE
+
+    conn_id = "sandbox_opensandbox_test"
+    host, port = opensandbox_server.domain.split(":")
+    value = {
+        "conn_type": "sandbox_opensandbox",
+        "host": host,
+        "port": int(port),
+        "schema": "http",
+        "password": opensandbox_server.api_key,
+        "extra": {"image": SANDBOX_IMAGE, "cpu": "1", "memory": "1Gi", "sandbox_timeout": 600},
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(value))
+        yield conn_id

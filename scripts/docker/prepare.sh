@@ -4,7 +4,8 @@
 #   1. install Docker Engine (Debian's docker.io) and debootstrap when they are missing;
 #   2. start dockerd when no engine answers, and wait until it does;
 #   3. build the sandbox image from Debian packages (debootstrap, then `docker import`), unless the
-#      engine already has it. The root filesystem tarball is cached, so later runs only import it.
+#      engine already has it. The root filesystem tarball is cached, so later runs only import it;
+#   4. build the OpenSandbox execd image FROM it (opensandbox-execd-image.sh), cached by content.
 #
 # Environment:
 #   SANDBOX_DOCKER_IMAGE   image tag to build      (default airflow-sandbox-python:<debian codename>)
@@ -62,6 +63,7 @@ log "engine ready: $(docker version --format '{{.Server.Version}}' 2>/dev/null |
 # -- 3. the image -----------------------------------------------------------------------------
 if [ "${SANDBOX_DOCKER_REBUILD:-0}" != 1 ] && docker image inspect "$IMAGE" >/dev/null 2>&1; then
   log "image $IMAGE already present"
+  bash "$(dirname "$0")/opensandbox-execd-image.sh" "$IMAGE"
   exit 0
 fi
 
@@ -129,3 +131,6 @@ docker import \
   "$TARBALL" "$IMAGE" >/dev/null
 docker run --rm --network none "$IMAGE" python3 -c 'import sys; print("sandbox image python", sys.version.split()[0])' >&2
 log "image $IMAGE ready"
+
+# -- 4. the OpenSandbox execd image, FROM the sandbox image ----------------------------------
+bash "$(dirname "$0")/opensandbox-execd-image.sh" "$IMAGE"

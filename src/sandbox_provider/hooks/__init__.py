@@ -24,6 +24,7 @@ HOOK_CLASSES: tuple[str, ...] = (
     "sandbox_provider.hooks.modal:ModalSandboxHook",
     "sandbox_provider.hooks.islo:IsloSandboxHook",
     "sandbox_provider.hooks.boat:BoatSandboxHook",
+    "sandbox_provider.hooks.opensandbox:OpenSandboxHook",
 )
 
 

@@ -374,6 +374,11 @@ class SandboxToolset(AbstractToolset[Any]):
 
     # -- what the model sees ---------------------------------------------------------------------------
 
+    def _network_note(self, spec: SandboxSpec) -> str:
+        """The backend's own account of what ``spec`` lets through, when it gives one; else the generic note."""
+        describe = getattr(self.backend, "describe_network", None)
+        return (describe(spec) if callable(describe) else None) or network_note(spec)
+
     def _run_command_description(self) -> str:
         if self._description is not None:
             return self._description
@@ -402,7 +407,7 @@ class SandboxToolset(AbstractToolset[Any]):
                 "this run for a later task to collect."
             )
             if attached is not None and attached.network is not None:
-                parts.append(network_note(attached.network))
+                parts.append(self._network_note(attached.network))
             else:
                 parts.append(
                     "Its network access is whatever the task that provisioned it allowed; test before relying on it."
@@ -410,7 +415,7 @@ class SandboxToolset(AbstractToolset[Any]):
             if attached is not None:
                 parts.append(lifetime_note(attached.remaining_lifetime))
         else:
-            parts.append(network_note(self.spec or SandboxSpec()))
+            parts.append(self._network_note(self.spec or SandboxSpec()))
             if self.exports:
                 names = _listing([repr(p) for p in self.exports])
                 verb = "is" if len(self.exports) == 1 else "are"
