@@ -12,7 +12,8 @@ of the connection produced. Screenshots of the filled form and of the result go 
 Needs ``/usr/bin/chromium`` (``bash scripts/browser/prepare.sh`` installs it; ``SANDBOX_CHROMIUM``
 names another) and the ``playwright`` package; without them the module is skipped, unless
 ``SANDBOX_REQUIRE_BROWSER`` is set (CI sets it), when it fails instead. The local case needs
-bubblewrap and the Docker case an Engine with the sandbox image, as their own tests do.
+bubblewrap and the Docker case an Engine with the sandbox image, as their own tests do
+(``SANDBOX_REQUIRE_BWRAP`` and ``SANDBOX_REQUIRE_DOCKER`` make those failures too).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import DOCKER_IMAGE, requires_bwrap
 from sandbox_provider.get_provider_info import PORT_FOR_TEST_BUTTON, port_needed_by_test_button
 from sandbox_provider.hooks.forms import docker as docker_form
 from sandbox_provider.hooks.forms import local as local_form
@@ -39,16 +41,15 @@ from sandbox_provider.hooks.forms import local as local_form
 pytestmark = pytest.mark.browser
 
 CHROMIUM = os.environ.get("SANDBOX_CHROMIUM", "/usr/bin/chromium")
-DOCKER_IMAGE = os.environ.get("SANDBOX_DOCKER_IMAGE", "airflow-sandbox-python:bookworm")
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_SECONDS = 120
 #: How long the UI gets to show a test's result; the API server provisions a sandbox meanwhile.
 RESULT_MS = 60_000
 
 
-def _unavailable(reason: str, require: str = "SANDBOX_REQUIRE_BROWSER", fix: str = "bash scripts/browser/prepare.sh"):
-    if os.environ.get(require):
-        pytest.fail(f"{require} is set but {reason}. Run: {fix}")
+def _unavailable(reason: str, fix: str = "bash scripts/browser/prepare.sh"):
+    if os.environ.get("SANDBOX_REQUIRE_BROWSER"):
+        pytest.fail(f"SANDBOX_REQUIRE_BROWSER is set but {reason}. Run: {fix}")
     pytest.skip(f"{reason}; {fix} sets it up")
 
 
@@ -181,9 +182,7 @@ def screenshots() -> Path:
     return folder
 
 
-def _local_ready(tmp_path_factory) -> dict[str, str]:
-    if shutil.which("bwrap") is None:
-        _unavailable("bubblewrap is not installed", "SANDBOX_REQUIRE_BWRAP", "bash scripts/setup.sh (as root)")
+def _local_ready(request, tmp_path_factory) -> dict[str, str]:
     state = tmp_path_factory.mktemp("sandbox-state")
     # As root the sandboxes run as an unprivileged user, who must pass through to the state root.
     for folder in (state, *state.parents):
@@ -193,18 +192,8 @@ def _local_ready(tmp_path_factory) -> dict[str, str]:
     return {"state_root": str(state / "sandboxes"), "sandbox_timeout": "600", "max_processes": "256"}
 
 
-def _docker_ready(tmp_path_factory) -> dict[str, str]:
-    try:
-        import docker
-
-        client = docker.from_env(version="auto", timeout=10)
-        client.images.get(DOCKER_IMAGE)
-    except Exception as err:
-        _unavailable(
-            f"no Docker Engine with the image {DOCKER_IMAGE} is reachable ({err})",
-            "SANDBOX_REQUIRE_DOCKER",
-            "bash scripts/docker/prepare.sh",
-        )
+def _docker_ready(request, tmp_path_factory) -> dict[str, str]:
+    request.getfixturevalue("docker_client")  # skips, or fails under SANDBOX_REQUIRE_DOCKER, without an Engine
     return {"image": DOCKER_IMAGE, "pids_limit": "128", "sandbox_timeout": "600"}
 
 
@@ -278,12 +267,14 @@ def _test_in_row(page, conn_id: str):
     return toast, title, message, answer.value
 
 
-@pytest.mark.parametrize("conn_type", sorted(CASES))
+@pytest.mark.parametrize(
+    "conn_type", [pytest.param("sandbox_local", marks=requires_bwrap), pytest.param("sandbox_docker")]
+)
 def test_form_creates_a_connection_that_the_test_button_passes(
-    conn_type, api_server, page, screenshots, tmp_path_factory
+    conn_type, api_server, page, screenshots, request, tmp_path_factory
 ):
     case = CASES[conn_type]
-    extras = case.ready(tmp_path_factory)
+    extras = case.ready(request, tmp_path_factory)
     conn_id = f"ui_{conn_type}"
     port = "0" if port_needed_by_test_button() else None
     page.goto(f"{api_server.url}/connections")
@@ -308,7 +299,10 @@ def test_form_creates_a_connection_that_the_test_button_passes(
         assert os.listdir(extras["state_root"]) == []
 
 
-def test_airflow_3_3_refuses_the_test_button_for_an_empty_port(api_server, page, screenshots, tmp_path_factory):
+@requires_bwrap
+def test_airflow_3_3_refuses_the_test_button_for_an_empty_port(
+    api_server, page, screenshots, request, tmp_path_factory
+):
     """
     Why the form asks for port 0 on Airflow 3.3: left empty, Airflow's API refuses the UI's test.
     When this fails, the installed Airflow fixed it: narrow ``port_needed_by_test_button``.
@@ -317,7 +311,7 @@ def test_airflow_3_3_refuses_the_test_button_for_an_empty_port(api_server, page,
         pytest.skip(f"Airflow {_airflow_version()} tests a connection with an empty port")
     case = CASES["sandbox_local"]
     page.goto(f"{api_server.url}/connections")
-    dialog = _fill_form(page, case, "ui_empty_port", case.ready(tmp_path_factory), port=None, shots=None)
+    dialog = _fill_form(page, case, "ui_empty_port", case.ready(request, tmp_path_factory), port=None, shots=None)
     dialog.get_by_role("button", name="Save").click()
     dialog.wait_for(state="hidden")
     toast, title, message, answer = _test_in_row(page, "ui_empty_port")
