@@ -71,7 +71,18 @@ def test_airflows_own_test_route_reports_the_tested_id(migrated_airflow_db, monk
     assert NOWHERE in response.message
 
 
-@pytest.mark.parametrize("argv, expected", [(["/usr/bin/airflow", "api-server", "-p", "8080"], "airflow api-server")])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["/usr/bin/airflow", "api-server", "-p", "8080"], "airflow api-server"),
+        (
+            ["/venv/lib/python3.12/site-packages/airflow/__main__.py", "connections", "test", "x"],
+            "airflow connections test",
+        ),
+        (["/venv/lib/python3.12/site-packages/pytest/__main__.py", "-q"], "pytest"),
+        (["-c"], "this process"),
+    ],
+)
 def test_program_names_the_airflow_command(monkeypatch, argv, expected):
     monkeypatch.setattr("sys.argv", argv)
     assert connection_test_origin(None).runner.startswith(f"{expected} (pid ")

@@ -11,6 +11,7 @@ wrong place, so :func:`connection_test_origin` recovers both facts once per test
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import sys
@@ -60,7 +61,10 @@ def connection_test_origin(conn_id: str | None, *, frame: FrameType | None = Non
     :param frame: the frame to search upwards from; default the caller's.
     """
     where = f"pid {os.getpid()} on host {socket.gethostname()}"
-    tested = _tested_in_api_server(conn_id, frame or sys._getframe(1)) if conn_id else None
+    if frame is None:
+        here = inspect.currentframe()
+        frame = here.f_back if here is not None else None
+    tested = _tested_in_api_server(conn_id, frame) if conn_id else None
     if tested is not None:
         return ConnectionTestOrigin(conn_id, tested, f"the API server ({where})")
     return ConnectionTestOrigin(conn_id, conn_id, f"{_program()} ({where})")
@@ -82,9 +86,11 @@ def _tested_in_api_server(conn_id: str, frame: FrameType | None) -> str | None:
 def _program() -> str:
     """The running program as a person would type it: ``airflow connections test``, ``pytest``."""
     argv = [arg for arg in sys.argv if arg]
-    if not argv:
+    if not argv or argv[0] == "-c":
         return "this process"
     name = os.path.basename(argv[0])
+    if name == "__main__.py":  # python -m <package>
+        name = os.path.basename(os.path.dirname(argv[0]))
     if name == "airflow":
         words = [arg for arg in argv[1:3] if not arg.startswith("-")]
         return " ".join([name, *words])
