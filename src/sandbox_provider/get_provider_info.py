@@ -8,7 +8,41 @@ backend's form module (``hooks/forms/<backend>.py``), which imports nothing of A
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from typing import Any
+
+#: Airflow 3.3 (3.3.0 to 3.3.2 at least) refuses the UI's Test button for a stored connection with no
+#: port: the UI posts ``port: 0`` for it, and the API server takes 0 for another endpoint than the
+#: stored empty port ("The host or port to test differs from the stored connection"). A port of 0 is
+#: stored as 0 and then matches; no sandbox backend uses the port, and Airflow leaves 0 out of the
+#: connection's URI. So from Airflow 3.3 on, the form shows the port with this label.
+PORT_FOR_TEST_BUTTON = "Port: not used; enter 0 so the Test button works (Airflow 3.3)"
+
+
+def port_needed_by_test_button() -> bool:
+    """Whether the installed Airflow refuses the UI's Test button for a connection whose port is empty."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    try:
+        return Version(version("apache-airflow-core")) >= Version("3.3.0")
+    except PackageNotFoundError:
+        return False
+
+
+def ui_field_behaviour(behaviour: Mapping[str, Any]) -> dict[str, Any]:
+    """
+    A backend's standard form fields as Airflow gets them: the backend's own, and on an Airflow whose
+    Test button needs a port (see :data:`PORT_FOR_TEST_BUTTON`), the port shown, labelled and
+    with the placeholder ``0``.
+    """
+    result = dict(behaviour)
+    if port_needed_by_test_button():
+        result["hidden-fields"] = [name for name in result.get("hidden-fields", []) if name != "port"]
+        result["relabeling"] = {**result.get("relabeling", {}), "port": PORT_FOR_TEST_BUTTON}
+        result["placeholders"] = {**result.get("placeholders", {}), "port": "0"}
+    return result
 
 
 def connection_forms() -> list[tuple[str, Any]]:
@@ -45,7 +79,7 @@ def get_provider_info() -> dict[str, Any]:
                 "hook-class-name": path,
                 "hook-name": form.hook_name,
                 "conn-fields": form.settings.form_fields(),
-                "ui-field-behaviour": dict(form.ui_behaviour),
+                "ui-field-behaviour": ui_field_behaviour(form.ui_behaviour),
             }
             for path, form in connection_forms()
         ],

@@ -132,6 +132,7 @@ def test_connection_test_reports_the_engine_version(docker_hook):
     ok, message = docker_hook.test_connection()
     assert ok, message
     assert "Docker Engine" in message and "API" in message and IMAGE in message
+    assert message.startswith(f"Connection {CONN_ID!r}, tested by ")
 
 
 # -- provisioning ---------------------------------------------------------------------------------------

@@ -277,6 +277,7 @@ class TestCommands:
     def test_test_connection_runs_a_command(self, hook):
         ok, message = hook.test_connection()
         assert ok, message
+        assert message.startswith("The local backend, tested by ") and "provisioned sandbox airflow-sandbox-" in message
         assert os.listdir(hook.state_root) == []
 
 

@@ -98,6 +98,8 @@ TAGS_FILE = "/" + TAGS_DIR + "/tags.json"
 #: Stamps fixed as labels when the container is created.
 _LABEL_STAMPS = (OWNER_TAG, EXPIRES_AT_TAG, NETWORK_TAG, WORKDIR_TAG)
 _PULL_POLICIES = ("missing", "never", "always")
+#: How messages name the Engine of a connection without a host.
+_DEFAULT_ENGINE = "the Docker Engine that DOCKER_HOST or the local socket names"
 
 # Go's os.FileMode bits, as the Engine reports them in a path stat.
 _GO_MODE_DIR = 1 << 31
@@ -229,7 +231,7 @@ class DockerSandboxHook(ShellFiles, Attachable, SandboxHook):
         self._lock = threading.Lock()
         self._client_obj: docker.DockerClient | None = None
         self._settings_obj: dict[str, Any] | None = None
-        self._where = "the local Docker Engine"
+        self._where = _DEFAULT_ENGINE
 
     # -- connection ------------------------------------------------------------------------------------
 
@@ -290,7 +292,7 @@ class DockerSandboxHook(ShellFiles, Attachable, SandboxHook):
                     ca_cert=ca,
                     verify=bool(ca) if verify is None else (ca if (verify and ca) else bool(verify)),
                 )
-            self._where = f"the Docker Engine at {host}" if host else "the worker's Docker Engine"
+            self._where = f"the Docker Engine at {host}" if host else _DEFAULT_ENGINE
             try:
                 if host:
                     client = docker.DockerClient(base_url=host, version="auto", tls=tls, timeout=API_TIMEOUT)
@@ -304,7 +306,7 @@ class DockerSandboxHook(ShellFiles, Attachable, SandboxHook):
     def _unreachable(self, err: BaseException) -> SandboxTerminalError:
         return SandboxTerminalError(
             f"Cannot reach {self._where} for connection {self.sandbox_conn_id!r}: {err}. Start the Docker "
-            "daemon, or fix the connection's host (and TLS extras) so the worker can reach it."
+            "daemon, or fix the connection's host (and TLS extras) so the Engine can be reached from here."
         )
 
     def _engine_error(self, err: BaseException, doing: str, handle: str | None = None) -> SandboxError:
@@ -941,24 +943,24 @@ class DockerSandboxHook(ShellFiles, Attachable, SandboxHook):
 
     # -- connection test -------------------------------------------------------------------------------
 
-    def test_connection(self) -> tuple[bool, str]:
-        """Ping the Engine and report its version and whether it has the default image; never raises."""
+    def _check_connection(self) -> str:
+        """Ping the Engine; report its version and whether it has the default image (nothing is created)."""
+        client = self._client()
+        client.api.ping()
+        version = client.api.version()
+        image = self._resolved()["image"]
         try:
-            client = self._client()
-            client.api.ping()
-            version = client.api.version()
-            image = self._resolved()["image"]
-            try:
-                client.api.inspect_image(image)
-                image_note = f"image {image} is present"
-            except Exception:
-                image_note = f"image {image} is not there yet (pull={self.pull!r})"
-            return True, (
-                f"Docker Engine {version.get('Version', '?')} (API {version.get('ApiVersion', '?')}) answered at "
-                f"{self._where}; {image_note}."
-            )
-        except Exception as err:
-            return False, f"{type(err).__name__}: {err}"
+            client.api.inspect_image(image)
+            image_note = f"image {image} is there"
+        except Exception:
+            if self.pull == "never":
+                image_note = f"image {image} is not there, and pull='never' refuses to pull it"
+            else:
+                image_note = f"image {image} is not there yet: the first sandbox pulls it (pull={self.pull!r})"
+        return (
+            f"Docker Engine {version.get('Version', '?')} (API {version.get('ApiVersion', '?')}) answered at "
+            f"{self._where}; {image_note}."
+        )
 
 
 def _flag(value: Any) -> bool | None:

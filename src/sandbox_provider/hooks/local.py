@@ -115,6 +115,9 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
         ),
     )
     form = FORM
+    test_connection_note = (
+        "A task's sandboxes run on the worker that runs the task, which needs bubblewrap as this host does."
+    )
 
     def __init__(
         self,

@@ -551,8 +551,8 @@ class OpenSandboxHook(Attachable, SandboxHook):
             "installing packages from elsewhere will not work."
         )
 
-    def _test_where(self) -> str:
-        return f" ({self._where})"
+    def _check_connection(self) -> str:
+        return f"{super()._check_connection()} The server: {self._where}."
 
 
 #: The hook under the name the public guide uses.

@@ -21,6 +21,7 @@ from typing import IO, Any, ClassVar
 
 from airflow.sdk import BaseHook
 
+from sandbox_provider.sandbox.connection_test import connection_test_origin
 from sandbox_provider.sandbox.errors import SandboxError, SandboxHandleError, SandboxTerminalError
 from sandbox_provider.sandbox.output import TailBuffer
 from sandbox_provider.sandbox.settings import ConnectionForm, SettingsTable
@@ -509,28 +510,48 @@ class SandboxHook(BaseHook):
 
     # -- connections ---------------------------------------------------------------------------------
 
-    def test_connection(self) -> tuple[bool, str]:
-        """Provision a sandbox, run a command in it and destroy it; return ``(ok, message)``."""
-        handle = None
-        where = self._test_where()
-        try:
-            handle = self.create(spec=self.connection_test_spec)
-            result = self.run_command(handle, "echo sandbox-ok", timeout=60, max_output_bytes=4096)
-            if result.ok and "sandbox-ok" in result.stdout:
-                return True, f"Ran a command in sandbox {handle} on the {self.display_name} backend{where}."
-            return False, f"A test command failed on the {self.display_name} backend{where}: {result.stderr[-500:]}"
-        except Exception as err:  # test_connection must report, never raise
-            return False, f"{type(err).__name__}: {err}"
-        finally:
-            if handle:
-                try:
-                    self.destroy(handle)
-                except Exception:
-                    log.warning("Could not destroy test sandbox %s", handle, exc_info=True)
+    #: A sentence the success message of a connection test ends with (where tasks' sandboxes run).
+    test_connection_note: ClassVar[str] = ""
 
-    def _test_where(self) -> str:
-        """Words for where a connection test ran, such as ``" (connection 'x', from the API server)"``."""
-        return ""
+    def test_connection(self) -> tuple[bool, str]:
+        """
+        Check the backend from the process running the test; return ``(ok, message)``, never raise.
+
+        The message names the connection the person tested (not the temporary id Airflow's API
+        server tests it under) and the process that ran the test: the API server for the UI's Test
+        button, the CLI process for ``airflow connections test``. The check itself is
+        :meth:`_check_connection`.
+        """
+        origin = connection_test_origin(getattr(self, self.conn_name_attr, None))
+        try:
+            ok, message = True, self._check_connection()
+            if self.test_connection_note:
+                message = f"{message} {self.test_connection_note}"
+        except Exception as err:  # test_connection must report, never raise
+            ok, message = False, f"{type(err).__name__}: {err}"
+        subject = f"Connection {origin.tested_id!r}" if origin.tested_id else f"The {self.display_name} backend"
+        return ok, origin.name_tested(f"{subject}, tested by {origin.runner}: {message}")
+
+    def _check_connection(self) -> str:
+        """
+        Provision a sandbox, run a command in it and destroy it; return what happened, as a sentence.
+
+        :raises Exception: whatever stopped the check; :meth:`test_connection` reports it.
+        """
+        handle = self.create(spec=self.connection_test_spec)
+        try:
+            result = self.run_command(handle, "echo sandbox-ok", timeout=60, max_output_bytes=4096)
+        finally:
+            try:
+                self.destroy(handle)
+            except Exception:
+                log.warning("Could not destroy test sandbox %s", handle, exc_info=True)
+        if not (result.ok and "sandbox-ok" in result.stdout):
+            raise SandboxError(
+                f"A test command in sandbox {handle} on the {self.display_name} backend failed: "
+                f"{result.stderr.strip()[-500:]}"
+            )
+        return f"provisioned sandbox {handle} on the {self.display_name} backend, ran a command in it and destroyed it."
 
 
 #: The contract's base class under the name the public guide uses.

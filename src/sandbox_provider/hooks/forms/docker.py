@@ -16,15 +16,16 @@ SETTINGS = SettingsTable(
         str,
         DEFAULT_IMAGE,
         label="Default image",
-        help="Image sandboxes run; it needs sh, sleep and coreutils timeout. It is pulled when missing "
-        "(pull='missing').",
+        help="Image the sandboxes run; it needs sh, sleep and coreutils timeout. When the Engine does not have it, "
+        "it is pulled from its registry (the hook's pull='missing'): an Engine without registry access needs an "
+        "image it already has, e.g. airflow-sandbox-python:bookworm from scripts/docker/prepare.sh.",
     ),
     Setting(
         "network",
         str,
         "bridge",
         label="Network for block_network=False",
-        help="Docker network a sandbox joins when its spec opens the network.",
+        help="Docker network a sandbox joins when its spec sets block_network=False.",
     ),
     Setting("cpus", float, DEFAULT_CPUS, label="CPUs", help="CPUs per sandbox; fractions allowed.", minimum=0.001),
     Setting(
@@ -32,29 +33,56 @@ SETTINGS = SettingsTable(
         int,
         DEFAULT_MEMORY_BYTES,
         label="Memory limit (bytes)",
-        help="Memory per sandbox in bytes, swap included.",
+        help=f"Memory per sandbox in bytes, swap included. Default: {DEFAULT_MEMORY_BYTES} (1 GiB).",
         unit="bytes",
         minimum=6 * 1024 * 1024,
     ),
-    Setting("pids_limit", int, DEFAULT_PIDS_LIMIT, label="Process limit", help="Processes at once.", minimum=1),
+    Setting(
+        "pids_limit", int, DEFAULT_PIDS_LIMIT, label="Process limit", help="Processes per sandbox at once.", minimum=1
+    ),
     Setting(
         "sandbox_timeout",
         float,
         DEFAULT_SANDBOX_TIMEOUT,
         label="Sandbox lifetime (seconds)",
-        help="Seconds before the Engine stops and removes the container.",
+        help="Seconds a sandbox may live; after it, the Engine stops and removes the container.",
         unit="seconds",
         minimum=1,
     ),
-    Setting("tls_ca_cert", str, label="TLS CA certificate (path)", help="CA file on the worker, for a TLS daemon."),
-    Setting("tls_client_cert", str, label="TLS client certificate (path)", help="Client certificate file."),
-    Setting("tls_client_key", str, label="TLS client key (path)", help="Client key file, with the certificate."),
-    Setting("tls_verify", bool, label="Verify TLS", help="Verify the daemon's certificate. Default: on with a CA."),
+    Setting(
+        "tls_ca_cert",
+        str,
+        label="TLS CA certificate (path)",
+        help="Path of the CA certificate the daemon's is checked against, on every host that uses this connection "
+        "(workers, and the API server for the Test button). Default: none.",
+    ),
+    Setting(
+        "tls_client_cert",
+        str,
+        label="TLS client certificate (path)",
+        help="Path of the client certificate to present; needs the client key too. Default: none.",
+    ),
+    Setting(
+        "tls_client_key",
+        str,
+        label="TLS client key (path)",
+        help="Path of the client certificate's key. Default: none.",
+    ),
+    Setting(
+        "tls_verify",
+        bool,
+        label="Verify TLS",
+        help="Check the daemon's certificate. Default: checked when a CA certificate is given.",
+    ),
 )
 UI_BEHAVIOUR = {
     "hidden-fields": ["port", "schema"],
     "relabeling": {"host": "Docker daemon address", "login": "Registry user", "password": "Registry password"},
-    "placeholders": {"host": "unix:///var/run/docker.sock"},
+    "placeholders": {
+        "host": "unix:///var/run/docker.sock or tcp://host:2376 (default: DOCKER_HOST, else the local socket)",
+        "login": "only to pull a missing image (default: anonymous)",
+        "password": "only to pull a missing image",
+    },
 }
 
 FORM = ConnectionForm(

@@ -15,36 +15,37 @@ SETTINGS = SettingsTable(
         "state_root",
         str,
         label="State directory",
-        help="Directory on the worker that holds the sandboxes. Default: <tmp>/airflow-sandbox-<uid>.",
+        help="Directory on the worker that holds the sandboxes. Default: <temporary directory>/airflow-sandbox-<uid>.",
     ),
     Setting(
         "image",
         str,
         label="Root filesystem directory",
-        help="A directory used, read-only, as the sandbox's root instead of the host's system directories. "
-        "Default: the host's /usr, /bin, /lib* and a few /etc entries.",
+        help="A directory on the worker used, read-only, as the sandbox's root instead of the host's system "
+        "directories (for example one made with debootstrap). Default: the host's /usr, /bin, /lib* and a few /etc "
+        "entries.",
     ),
     Setting(
         "sandbox_timeout",
         float,
         DEFAULT_SANDBOX_TIMEOUT,
         label="Sandbox lifetime (seconds)",
-        help="Seconds a sandbox may live before commands are refused and the next sweep removes it.",
+        help="Seconds a sandbox may live; after it, commands are refused and the next sweep removes it.",
         unit="seconds",
         minimum=1,
     ),
     Setting(
         "cpu_seconds",
         int,
-        label="CPU seconds per process",
-        help="RLIMIT_CPU of every process, in seconds. Default: no limit.",
+        label="CPU time per process (seconds)",
+        help="CPU seconds each process in the sandbox may use (RLIMIT_CPU). Default: no limit.",
         unit="seconds",
         minimum=1,
     ),
     Setting(
         "memory_bytes",
         label="Address space per process (bytes)",
-        help="RLIMIT_AS of every process, in bytes. Default: no limit.",
+        help="Virtual memory each process may map, in bytes (RLIMIT_AS). Default: no limit.",
         **_BYTES,
     ),
     Setting(
@@ -52,13 +53,13 @@ SETTINGS = SettingsTable(
         int,
         DEFAULT_MAX_PROCESSES,
         label="Process limit",
-        help="Processes the sandbox's user may have at once (RLIMIT_NPROC).",
+        help="Processes the sandbox's user may have on the host at once (RLIMIT_NPROC).",
         minimum=1,
     ),
     Setting(
         "max_file_bytes",
         label="Largest file (bytes)",
-        help="RLIMIT_FSIZE: the largest file a process may write, in bytes. Default: no limit.",
+        help="Largest file a process may write, in bytes (RLIMIT_FSIZE); not a quota on the total. Default: no limit.",
         **_BYTES,
     ),
     Setting(
@@ -66,7 +67,8 @@ SETTINGS = SettingsTable(
         int,
         DEFAULT_SANDBOX_UID,
         label="Sandbox user id (root workers)",
-        help="The unprivileged user a root worker runs sandboxes as; ignored when the worker is not root.",
+        help="Numeric id of the unprivileged user a root worker runs sandboxes as; ignored when the worker is "
+        "not root. The root filesystem directory must be readable by it.",
         minimum=1,
     ),
 )
