@@ -10,8 +10,9 @@ from sandbox_provider.hooks import hook_class
 from sandbox_provider.sandbox.settings import Setting
 
 FORMS = {form.conn_type: (path, form) for path, form in connection_forms()}
-#: Standard connection fields a hook may read besides its settings (Docker: daemon and registry).
-STANDARD = {"host", "login", "password"}
+#: What a hook may resolve from the standard connection fields besides its settings (Docker: daemon
+#: and registry; servers and hosted services: address and API key).
+STANDARD = {"host", "login", "password", "port", "schema", "api_key", "domain", "protocol"}
 
 
 def test_local_and_docker_have_forms():
@@ -34,11 +35,15 @@ def _sample(setting: Setting, tmp_path):
     """A valid value for ``setting`` that no default has, as the form would store it."""
     if setting.kind is bool:
         return not setting.default
+    if setting.choices:
+        return next(c for c in setting.choices if c != setting.default)
     if setting.kind is str:
         if setting.name in ("image", "state_root") and setting.default is None:
             path = tmp_path / setting.name  # local: directories on the worker
             path.mkdir()
             return str(path)
+        if setting.name.endswith("url"):
+            return "https://probe.example.com"
         return f"probe-{setting.name}"
     low = setting.minimum if setting.minimum is not None else 1
     return int(low) + 7 if setting.kind is int else low + 2.5
@@ -51,12 +56,15 @@ def test_every_setting_the_hook_reads_has_a_field_and_every_field_is_read(conn_t
     # Nothing is read from the connection without a field: every setting of the table has one.
     assert set(fields) == set(form.settings.names)
     extra = {name: _sample(form.settings[name], tmp_path) for name in fields}
-    conn_id = add_connection(f"{conn_type}_form_probe", conn_type, extra=extra)
+    # A backend of a server needs its address in the standard fields.
+    conn_id = add_connection(
+        f"{conn_type}_form_probe", conn_type, extra=extra, host="127.0.0.1", port=8080, password="probe-key"
+    )
     module, _, name = path.rpartition(".")
     cls = hook_class(f"{module}:{name}")
     resolved = cls(**{cls.conn_name_attr: conn_id})._resolved()
     # Every setting the hook resolved is a field, and every field's value reached the hook.
-    assert set(resolved) - STANDARD == set(fields)
+    assert set(resolved) - STANDARD == set(fields), set(resolved) ^ set(fields)
     assert {name: resolved[name] for name in fields} == extra
 
 
