@@ -78,7 +78,16 @@ class Attachable:
         """
         handle = self.check_handle(handle)  # type: ignore[attr-defined]
         name = self.display_name  # type: ignore[attr-defined]
+        for what, value in (("owner", owner), ("holder", holder)):
+            if not isinstance(value, str) or not value.strip():
+                raise SandboxTerminalError(f"attach needs a non-empty {what}, got {value!r}.")
         tags = dict(self.read_tags(handle))
+        expires = expiry_of(tags)
+        if expires is not None and expires <= time.time():
+            raise SandboxTerminalError(
+                f"Sandbox {handle!r} on the {name} backend has reached the end of its lifetime; it is not attached. "
+                "Provision a new one, with a longer sandbox_timeout if the tasks between need it."
+            )
         found = tags.get(OWNER_TAG)
         if found != owner:
             carries = f"it carries owner {found!r}" if found else "it carries no owner"
@@ -101,7 +110,6 @@ class Attachable:
                     f"Sandbox {handle!r} was claimed by {tags.get(HOLDER_TAG)!r} while {holder!r} was attaching. "
                     "Two tasks asked for it at once; provision one sandbox per task."
                 )
-        expires = expiry_of(tags)
         if expires is not None:
             self._known_expiry[handle] = expires  # type: ignore[attr-defined]
         network: SandboxSpec | None = None

@@ -130,8 +130,10 @@ class OutputSink:
     Where a backend's ``_run`` writes a command's output as it arrives.
 
     It keeps the last ``max_output_bytes`` of each stream (memory stays bounded however much is
-    written) and passes every piece on to ``on_output`` first, for live logs. An exception raised by
-    ``on_output`` is kept and re-raised when the command has ended, so the backend drains to the end.
+    written) and passes every piece on to ``on_output``, for live logs. An exception raised by
+    ``on_output`` (a task timeout or Ctrl-C raised by a signal while it ran, say) propagates at once,
+    so a backend reading in the calling thread stops and kills the command; a backend reading in a
+    thread of its own gets it raised by :meth:`result`. The callback is not called again after it.
 
     :param max_output_bytes: bytes kept per stream.
     :param on_output: called with ``("stdout" | "stderr", bytes)``; None keeps tails only.
@@ -162,8 +164,9 @@ class OutputSink:
         if self._on_output is not None and self.callback_error is None:
             try:
                 self._on_output(stream, data)
-            except BaseException as err:  # noqa: BLE001 - raised after the command ends
+            except BaseException as err:
                 self.callback_error = err
+                raise
 
     def result(self, outcome: RunOutcome, applied_timeout: float) -> SandboxExecResult:
         if self.callback_error is not None:
@@ -502,7 +505,7 @@ class SandboxHook(BaseHook):
         """:raises SandboxTerminalError: this backend's sandboxes cannot be attached."""
         raise SandboxTerminalError(
             f"The {self.display_name} backend cannot attach to sandboxes provisioned by another task; provision one "
-            "in this task instead, or use an attachable backend (local, Docker, Modal)."
+            "in this task instead, or use an attachable backend (see the README's backends table)."
         )
 
     def release(self, handle: str, *, holder: str) -> None:

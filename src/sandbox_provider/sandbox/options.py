@@ -164,5 +164,11 @@ class SessionOptions:
                     "cannot. Drop attach_to to provision a sandbox here, or use an attachable backend such as "
                     "the local one."
                 )
+        elif self.keep is True and not hook.attachable:
+            raise ValueError(
+                f"keep_sandbox=True leaves the sandbox standing for a later task to attach to, and no task can attach "
+                f"to a sandbox of the {hook.name!r} backend: it would run, unused, until its lifetime ends. Do the "
+                "work in this task, or provision on an attachable backend."
+            )
         else:
             hook.check_spec(self.provision_spec(hook, None))

@@ -190,6 +190,7 @@ class SettingsTable:
         :raises ValueError: for an extra of the wrong kind or out of bounds, naming the connection and extra.
         """
         extra = extra or {}
+        _warn_unknown(extra, self._settings, conn_id)
         values: dict[str, Any] = {}
         for name, setting in self._settings.items():
             value = args.get(name)
@@ -206,6 +207,28 @@ class SettingsTable:
     def extend(self, settings: Iterable[Setting]) -> SettingsTable:
         """A new table with these settings added after this table's."""
         return SettingsTable(*self._settings.values(), *settings)
+
+
+#: Extras a connection may carry that no settings table reads (Airflow's own, and other providers').
+_FOREIGN_EXTRAS = frozenset({"__extra__"})
+
+
+def _warn_unknown(extra: Mapping[str, Any], settings: Mapping[str, Setting], conn_id: str | None) -> None:
+    """Log each extra no setting reads, with the nearest setting's name: a typo must not switch a limit off."""
+    import difflib
+    import logging
+
+    for key in sorted(set(extra) - set(settings) - _FOREIGN_EXTRAS):
+        if extra[key] in (None, ""):
+            continue
+        near = difflib.get_close_matches(key, list(settings), n=1)
+        hint = f" Did you mean {near[0]!r}?" if near else f" This backend reads: {', '.join(sorted(settings))}."
+        logging.getLogger(__name__).warning(
+            "Connection %s has an extra %r that this backend does not read; it has no effect.%s",
+            repr(conn_id) if conn_id else "(none)",
+            key,
+            hint,
+        )
 
 
 @dataclass(frozen=True)
