@@ -43,8 +43,10 @@ def test_v1_hierarchies_under_the_workers_own_cgroup(tmp_path):
         "memory": f"{tmp_path}/memory/worker/airflow-sandbox",
         "pids": f"{tmp_path}/pids/airflow-sandbox",
     }
-    # The hybrid host's unified hierarchy lacks the controllers: nothing was made in it.
-    assert os.listdir(tmp_path / "unified") == ["cgroup.controllers", "cgroup.subtree_control"]
+    # Nothing is made until a sandbox needs it; the hybrid host's unified hierarchy (without the
+    # controllers) is left alone.
+    assert not os.path.exists(tmp_path / "pids" / "airflow-sandbox")
+    assert sorted(os.listdir(tmp_path / "unified")) == ["cgroup.controllers", "cgroup.subtree_control"]
     absolute = find(MOUNTINFO_V1.format(root=tmp_path), PROC_CGROUP_V1, "/sandboxes/airflow")
     assert absolute.parents["memory"] == f"{tmp_path}/memory/sandboxes/airflow"
 
@@ -90,8 +92,9 @@ def test_no_hierarchy_logs_once(monkeypatch, caplog):
 
 
 def test_limits_name_their_controllers():
-    assert SandboxLimits().needs() == ()
+    assert SandboxLimits().needs() == ("pids",)
     assert SandboxLimits(max_processes=5, cpu_cores=0.5).needs() == ("pids", "cpu")
+    assert SandboxLimits(memory_bytes=1 << 20).needs() == ("pids", "memory")
 
 
 # -- the real thing ----------------------------------------------------------------------------------
@@ -106,8 +109,9 @@ def cgroups():
             pytest.fail("no writable cgroup hierarchy with pids, memory and cpu")
         pytest.skip("no writable cgroup hierarchy with pids, memory and cpu on this machine")
     yield found
+    found.remove_parents()
     for parent in set(found.parents.values()):
-        os.rmdir(parent)
+        assert not os.path.exists(parent)  # nothing left in it
 
 
 FORK_UNTIL_REFUSED = """
@@ -183,3 +187,9 @@ def test_remove_kills_everything_and_is_idempotent(cgroups):
     assert time.monotonic() - started < 10
     cgroups.remove("k")
     assert not os.path.exists(os.path.join(cgroups.parents["pids"], "k"))
+    cgroups.remove_parents()
+    cgroups.create("again", SandboxLimits(max_processes=5))  # the parent is made again on demand
+    assert os.path.isdir(os.path.join(cgroups.parents["pids"], "again"))
+    cgroups.remove_parents()  # not while a sandbox's cgroup is in it
+    assert os.path.isdir(os.path.join(cgroups.parents["pids"], "again"))
+    cgroups.remove("again")

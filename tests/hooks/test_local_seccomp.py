@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from sandbox_provider.hooks import _local_seccomp
+from sandbox_provider.hooks import _local_driver, _local_seccomp
 
 pytestmark = pytest.mark.skipif(
     not shutil.which("bwrap") and not os.environ.get("SANDBOX_REQUIRE_BWRAP"), reason="bubblewrap is not installed"
@@ -94,7 +94,7 @@ def _run(filtered: bool) -> dict[str, list[int]]:
     argv += ["--tmpfs", "/tmp", "--die-with-parent"]
     fds: tuple[int, ...] = ()
     if filtered:
-        fd = _local_seccomp.seccomp_fd()
+        fd = _local_driver.memfd("filter", _local_seccomp.filter_program())
         argv += ["--seccomp", str(fd)]
         fds = (fd,)
     kwargs = {"user": 65534, "group": 65534, "extra_groups": []} if os.geteuid() == 0 else {}

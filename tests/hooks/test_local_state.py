@@ -35,9 +35,11 @@ def test_building_renames_into_place_or_leaves_nothing(tmp_path):
         assert os.path.basename(staging) == state.CREATING + HANDLE
         with state.claim(staging, wait=False) as got:
             assert not got  # the builder holds it
-        open(os.path.join(staging, "stamps.json"), "w").close()
+        state.write_record(staging, {"stamps": {"a": "1"}, "env": {"K": "v"}, "limits": {}})
     assert os.listdir(root) == [HANDLE]
-    assert os.listdir(os.path.join(root, HANDLE)) == ["stamps.json"]
+    assert os.listdir(os.path.join(root, HANDLE)) == [state.RECORD]
+    assert state.read_record(os.path.join(root, HANDLE)) == {"stamps": {"a": "1"}, "env": {"K": "v"}, "limits": {}}
+    assert oct(os.stat(os.path.join(root, HANDLE, state.RECORD)).st_mode & 0o777) == "0o600"
 
     other = "airflow-sandbox-ba9876543210"
     with pytest.raises(RuntimeError), state.building(root, other, 0o700):
@@ -72,8 +74,22 @@ def test_mark_destroyed_and_classify(tmp_path):
     assert state.mark_destroyed(str(tmp_path), HANDLE) is None
 
 
-def test_a_5000_deep_tree_that_rmtree_cannot_remove(tmp_path):
-    top = str(tmp_path / "deep")
+@pytest.fixture
+def fast_dir(tmp_path):
+    """A tmpfs of its own where the worker may mount one: removing 5,000 directories from this host's disk is slow."""
+    where = tmp_path / "fast"
+    where.mkdir()
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "t", str(where)]).returncode == 0
+    )
+    yield where
+    if mounted:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def test_a_5000_deep_tree_that_rmtree_cannot_remove(fast_dir):
+    top = str(fast_dir / "deep")
     _deep_tree(top, 5000)
     # Positive control: the standard library's recursive removal gives up on it.
     with pytest.raises((RecursionError, OSError)):
@@ -126,13 +142,37 @@ def test_removal_never_leaves_its_file_system(tmp_path):
     state.remove_tree(str(top))
 
 
+def test_the_workspace_goes_last(tmp_path, monkeypatch):
+    sandbox = tmp_path / HANDLE
+    for sub in ("workspace", "tmp"):
+        (sandbox / sub).mkdir(parents=True)
+    (sandbox / "workspace" / "result.txt").write_text("the job's data")
+    (sandbox / "tmp" / "scratch").write_text("x")
+    state.write_record(str(sandbox), {"stamps": {}, "env": {}, "limits": {}})
+    real = state.remove_tree
+
+    def interrupted(path):  # a worker killed as the removal reaches the workspace
+        if path.endswith("/workspace"):
+            raise KeyboardInterrupt
+        real(path)
+
+    monkeypatch.setattr(state, "remove_tree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        state.remove_sandbox_dir(str(sandbox))
+    assert os.listdir(sandbox) == ["workspace"]
+    assert (sandbox / "workspace" / "result.txt").read_text() == "the job's data"
+    monkeypatch.setattr(state, "remove_tree", real)
+    state.remove_sandbox_dir(str(sandbox))
+    assert not sandbox.exists()
+
+
 def test_box_on_a_sized_tmpfs_and_the_workspace_goes_last(tmp_path, monkeypatch):
     if os.geteuid() != 0:
         pytest.skip("mounting needs a root worker")
     sandbox = tmp_path / HANDLE
     box = sandbox / state.BOX
     box.mkdir(parents=True)
-    (sandbox / "stamps.json").write_text("{}")
+    (sandbox / state.RECORD).write_text("{}")
     state.mount_box(str(box), size_bytes=1024 * 1024, uid=1_900_000_123, gid=1_900_000_123)
     try:
         info = os.stat(box)

@@ -16,25 +16,40 @@ cgroups: :func:`probe` says so once per process in the log and the caller falls 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import functools
 import logging
 import os
+import re
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
+
+from sandbox_provider.hooks.forms.local import DEFAULT_CGROUP_PARENT
+from sandbox_provider.sandbox.errors import SandboxTerminalError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CONTROLLERS", "CPU_PERIOD_US", "Cgroups", "SandboxLimits", "probe"]
+__all__ = [
+    "CONTROLLERS",
+    "CPU_PERIOD_US",
+    "Cgroups",
+    "SandboxLimits",
+    "check_parent",
+    "confinement",
+    "find",
+    "plan",
+    "probe",
+]
 
 #: The controllers the backend uses: pids (processes), memory, cpu (a share of the CPUs).
 CONTROLLERS = ("pids", "memory", "cpu")
 #: The scheduling period cpu.max / cpu.cfs_period_us is expressed in, in microseconds.
 CPU_PERIOD_US = 100_000
-DEFAULT_PARENT_NAME = "airflow-sandbox"
 _KILL_WAIT = 10.0  # seconds to wait for a killed sandbox's processes to leave its cgroup
 _warned: set[str] = set()
 
@@ -53,9 +68,22 @@ class SandboxLimits:
     memory_bytes: int | None = None
     cpu_cores: float | None = None
 
+    @classmethod
+    def of(cls, limits: Mapping[str, Any]) -> SandboxLimits:
+        """The cgroup part of a sandbox's limit record (see :func:`plan`)."""
+        return cls(
+            max_processes=limits.get("max_processes"),
+            memory_bytes=limits.get("memory_bytes"),
+            cpu_cores=limits.get("cpu_limit"),
+        )
+
     def needs(self) -> tuple[str, ...]:
-        """The controllers these limits need."""
-        wanted = {"pids": self.max_processes, "memory": self.memory_bytes, "cpu": self.cpu_cores}
+        """
+        The controllers these limits need: ``pids`` always (it holds every process of the sandbox, to
+        count and to kill them), ``memory`` and ``cpu`` when limited (joining a v1 hierarchy costs
+        the start of every command some time, so none is joined for nothing).
+        """
+        wanted = {"pids": True, "memory": self.memory_bytes, "cpu": self.cpu_cores}
         return tuple(c for c in CONTROLLERS if wanted[c] is not None)
 
 
@@ -79,29 +107,59 @@ class Cgroups:
     """
     Sandbox cgroups under one parent: ``version`` 2 (one directory) or 1 (one per controller).
 
+    The parent directories are made on demand and removed, when empty, by a full sweep and when the
+    worker process exits (an empty cgroup left under the worker's own would keep whoever manages
+    that one from removing it).
+
     :param version: 1 or 2.
     :param parents: controller -> the parent directory (on v2 every controller maps to the same one).
+    :param rebuild: makes the parent directories again (and hands the controllers down, on v2).
+    :param mounts: on v1, each controller's mount point (for :meth:`placement`).
     """
 
-    def __init__(self, version: int, parents: Mapping[str, str]) -> None:
+    def __init__(
+        self,
+        version: int,
+        parents: Mapping[str, str],
+        rebuild: Callable[[], Any] | None = None,
+        mounts: Mapping[str, str] | None = None,
+    ) -> None:
         self.version = version
         self.parents = dict(parents)
+        self.mounts = dict(mounts or {})  # v1: controller -> its hierarchy's mount point
+        self._rebuild = rebuild
 
     @property
     def controllers(self) -> tuple[str, ...]:
         return tuple(self.parents)
 
-    def _dirs(self, handle: str) -> list[str]:
-        return sorted({os.path.join(parent, handle) for parent in self.parents.values()})
+    def _dirs(self, handle: str, controllers: tuple[str, ...] | None = None) -> list[str]:
+        """The sandbox's cgroup directories: of ``controllers`` (available ones), or every one that exists."""
+        if controllers is not None:
+            return sorted({os.path.join(self.parents[c], handle) for c in controllers if c in self.parents})
+        every = {os.path.join(parent, handle) for parent in self.parents.values()}
+        return sorted(path for path in every if os.path.isdir(path))
+
+    def exists(self, handle: str) -> bool:
+        """Whether the sandbox has a cgroup on this host (it goes at a reboot)."""
+        return bool(self._dirs(handle))
 
     def _dir(self, handle: str, controller: str) -> str:
         return os.path.join(self.parents[controller], handle)
 
     def create(self, handle: str, limits: SandboxLimits) -> None:
-        """Make the sandbox's cgroup and set its limits. Idempotent (limits are written again)."""
-        for path in self._dirs(handle):
-            with contextlib.suppress(FileExistsError):
+        """Make the sandbox's cgroup in the controllers ``limits`` need, with its limits. Idempotent."""
+        for path in self._dirs(handle, limits.needs()):
+            try:
                 os.mkdir(path, 0o755)
+            except FileExistsError:
+                pass
+            except FileNotFoundError:
+                if self._rebuild is None:
+                    raise
+                self._rebuild()  # the parent went with its last sandbox
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(path, 0o755)
         if limits.max_processes is not None:
             _write(os.path.join(self._dir(handle, "pids"), "pids.max"), str(limits.max_processes))
         if limits.memory_bytes is not None:
@@ -127,8 +185,35 @@ class Cgroups:
         if os.path.exists(memsw):  # memory plus swap: no more than the memory limit itself
             _write(memsw, str(limit))
 
+    def remove_parents(self) -> None:
+        """Remove the parent directories if no sandbox's cgroup is left in them (at a sweep, at exit)."""
+        for parent in set(self.parents.values()):
+            with contextlib.suppress(OSError):  # EBUSY while a sandbox's cgroup is in it
+                os.rmdir(parent)
+
+    def placement(self, handle: str) -> Callable[[], list[tuple[str, str]]] | None:
+        """
+        On v1, where a thread can sit in a cgroup of its own: for the thread that forks the
+        sandbox's commands, the ``tasks`` files to move itself into and back to (computed in that
+        thread, from where it is). None on v2: there :meth:`join` moves each command's first process.
+        """
+        if self.version != 1 or not self.mounts:
+            return None
+        dirs = {c: os.path.join(self.parents[c], handle) for c in self.parents}
+        dirs = {c: d for c, d in dirs.items() if os.path.isdir(d)}
+
+        def pairs() -> list[tuple[str, str]]:
+            with open("/proc/thread-self/cgroup", encoding="utf-8") as f:
+                here = _own_paths(f.read())
+            return [
+                (os.path.join(d, "tasks"), os.path.join(self.mounts[c], here.get(c, "/").lstrip("/"), "tasks"))
+                for c, d in dirs.items()
+            ]
+
+        return pairs
+
     def join(self, handle: str, pid: int) -> None:
-        """Move process ``pid`` (one that has not forked yet) into the sandbox's cgroup."""
+        """Move process ``pid`` (one that has not forked yet) into the sandbox's cgroup, every controller of it."""
         for path in self._dirs(handle):
             _write(os.path.join(path, "cgroup.procs"), str(pid))
 
@@ -143,7 +228,7 @@ class Cgroups:
         """How many processes the kernel killed for reaching the memory limit (0 if unknown)."""
         if "memory" not in self.parents:
             return 0
-        here = self._dir(handle, "memory")
+        here = self._dir(handle, "memory")  # absent unless memory is limited: 0
         name = "memory.events" if self.version == 2 else "memory.oom_control"
         with contextlib.suppress(OSError, ValueError):
             with open(os.path.join(here, name), encoding="ascii") as f:
@@ -155,11 +240,15 @@ class Cgroups:
 
     def kill(self, handle: str) -> None:
         """SIGKILL every process of the sandbox and wait (up to 10 s) until its cgroup is empty."""
-        kill_file = os.path.join(self._dirs(handle)[0], "cgroup.kill")
+        dirs = self._dirs(handle)
+        if not dirs:
+            return
+        kill_file = os.path.join(dirs[0], "cgroup.kill")
         if self.version == 2 and os.path.exists(kill_file):
             with contextlib.suppress(FileNotFoundError):
                 _write(kill_file, "1")
         deadline = time.monotonic() + _KILL_WAIT
+        pause = 0.0002  # a command that just ended leaves within a millisecond or so
         while True:
             pids = self.members(handle)
             if not pids or time.monotonic() > deadline:
@@ -167,7 +256,8 @@ class Cgroups:
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-            time.sleep(0.005)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
 
     def remove(self, handle: str) -> None:
         """Kill what runs in the sandbox's cgroup and remove it. Idempotent: a missing cgroup is fine."""
@@ -185,7 +275,7 @@ class Cgroups:
                     if err.errno != errno.EBUSY or time.monotonic() > deadline:
                         raise
                     self.kill(handle)
-                    time.sleep(0.005)
+                    time.sleep(0.001)
 
 
 # -- finding a writable hierarchy -------------------------------------------------------------------
@@ -214,9 +304,26 @@ def _own_paths(proc_cgroup: str) -> dict[str, str]:
     return paths
 
 
+_PARENT_RE = re.compile(r"/?[A-Za-z0-9_.@:-]+(/[A-Za-z0-9_.@:-]+)*/?")
+
+
+def check_parent(value: str) -> str:
+    """
+    Return ``value`` if it can name a cgroup parent: path components of letters, digits and ``_.@:-``.
+
+    :raises ValueError: for anything else (an empty path, ``..``, spaces).
+    """
+    if not isinstance(value, str) or not _PARENT_RE.fullmatch(value) or ".." in value.split("/"):
+        raise ValueError(
+            f"cgroup_parent must be a cgroup path such as 'airflow-sandbox' or '/sandboxes.slice/airflow', got "
+            f"{value!r}."
+        )
+    return value
+
+
 def _parent_path(own: str, cgroup_parent: str | None) -> str:
     """An absolute ``cgroup_parent`` is a path from the hierarchy's root; a relative one lies under ``own``."""
-    name = cgroup_parent or DEFAULT_PARENT_NAME
+    name = cgroup_parent or DEFAULT_CGROUP_PARENT
     if name.startswith("/"):
         return "/" + name.strip("/")
     return os.path.join(own, name.strip("/"))
@@ -256,24 +363,34 @@ def _enable(path: str) -> None:
         _write(os.path.join(path, "cgroup.subtree_control"), " ".join("+" + c for c in missing))
 
 
-def _v1_parents(mounts, own: Mapping[str, str], cgroup_parent: str | None) -> dict[str, str]:
-    parents = {}
+def _v1_parents(mounts, own: Mapping[str, str], cgroup_parent: str | None) -> tuple[dict[str, str], dict[str, str]]:
+    """The parent per controller, and each controller's mount point."""
+    parents, points = {}, {}
     for point, kind, options in mounts:
         for controller in CONTROLLERS:
             if kind == "cgroup" and controller in options and controller not in parents:
                 parent = os.path.join(point, _parent_path(own.get(controller, "/"), cgroup_parent).lstrip("/"))
-                try:
-                    os.makedirs(parent, exist_ok=True)
-                except OSError:
-                    continue
-                parents[controller] = parent
-    return parents
+                if _writable(parent):
+                    parents[controller], points[controller] = parent, point
+    return parents, points
+
+
+def _writable(path: str) -> bool:
+    """Whether this process may make ``path``: its nearest existing ancestor is writable to it."""
+    here = path
+    while not os.path.isdir(here):
+        parent = os.path.dirname(here)
+        if parent == here:
+            return False
+        here = parent
+    return os.access(here, os.W_OK)
 
 
 def find(mountinfo: str, proc_cgroup: str, cgroup_parent: str | None = None) -> Cgroups | None:
     """
     The writable sandbox cgroups of this worker: cgroup v2 when its unified hierarchy offers the
-    controllers, else cgroup v1's hierarchies, else None. Creates the parent directories.
+    controllers, else cgroup v1's hierarchies, else None. Leaves no directory behind (on v2 the
+    controllers stay enabled down to the parent's parent).
 
     :param mountinfo: the text of ``/proc/self/mountinfo``.
     :param proc_cgroup: the text of ``/proc/self/cgroup``.
@@ -284,9 +401,13 @@ def find(mountinfo: str, proc_cgroup: str, cgroup_parent: str | None = None) -> 
         if kind == "cgroup2" and "" in own:
             parents = _v2_parent(point, own[""], cgroup_parent)
             if parents:
-                return Cgroups(2, parents)
-    parents = _v1_parents(mounts, own, cgroup_parent)
-    return Cgroups(1, parents) if parents else None
+                with contextlib.suppress(OSError):  # made again when a sandbox needs it
+                    os.rmdir(next(iter(parents.values())))
+                return Cgroups(2, parents, functools.partial(_v2_parent, point, own[""], cgroup_parent))
+    parents, points = _v1_parents(mounts, own, cgroup_parent)
+    if not parents:
+        return None
+    return Cgroups(1, parents, lambda: [os.makedirs(parent, exist_ok=True) for parent in parents.values()], points)
 
 
 @functools.lru_cache(maxsize=8)
@@ -302,6 +423,8 @@ def probe(cgroup_parent: str | None = None) -> Cgroups | None:
     except OSError:
         mountinfo = proc_cgroup = ""
     found = find(mountinfo, proc_cgroup, cgroup_parent)
+    if found is not None:
+        atexit.register(found.remove_parents)
     key = cgroup_parent or ""
     if found is None and key not in _warned:
         _warned.add(key)
@@ -316,3 +439,60 @@ def probe(cgroup_parent: str | None = None) -> Cgroups | None:
             _warned.add(key)
             log.warning("cgroup v%s on this worker lacks the %s controller(s)", found.version, ", ".join(missing))
     return found
+
+
+# -- what a sandbox gets ----------------------------------------------------------------------------
+
+
+def plan(settings: Mapping[str, Any], cgroups: Cgroups | None, *, root_worker: bool) -> dict[str, Any]:
+    """
+    The limit record of a new sandbox (kept with it; every command runs under it) from the hook's
+    resolved ``settings``, and whether it gets a cgroup.
+
+    :raises SandboxTerminalError: for a limit this worker cannot enforce, before anything is made.
+    """
+    have = set(cgroups.parents) if cgroups is not None else set()
+    missing = []
+    if settings["memory_bytes"] and "memory" not in have:
+        missing.append("memory_bytes (a memory limit that covers tmpfs and page cache needs a memory cgroup)")
+    if settings["cpu_limit"] and "cpu" not in have:
+        missing.append("cpu_limit (a CPU share needs a cpu cgroup)")
+    if settings["disk_bytes"] and not root_worker:
+        missing.append("disk_bytes (the size-limited workspace is a tmpfs only a root worker can mount)")
+    if missing:
+        raise SandboxTerminalError(
+            f"This worker cannot enforce {'; '.join(missing)}, and the local backend does not provision a sandbox "
+            "weaker than asked. Drop those settings, or run the worker as root where it can write a cgroup "
+            "hierarchy (or name a delegated one in cgroup_parent); see the README's local backend section."
+        )
+    names = ("cpu_seconds", "cpu_limit", "memory_bytes", "max_file_bytes", "max_processes", "shm_bytes", "disk_bytes")
+    return {**{name: settings[name] for name in names}, "cgroup": cgroups is not None}
+
+
+def confinement(
+    handle: str, limits: Mapping[str, Any], cgroups: Cgroups | None, max_file_bytes: int | None = None
+) -> tuple[Cgroups | None, dict[str, int]]:
+    """
+    The cgroup (None for none) and the rlimits (names of ``_local_driver.RLIMITS``) one command of
+    the sandbox runs under, given its limit record; ``max_file_bytes`` tightens the file-size limit.
+
+    :raises SandboxTerminalError: if the sandbox has a cgroup and this worker process cannot write one.
+    """
+    if not limits.get("cgroup"):
+        cgroups = None
+    elif cgroups is None:
+        raise SandboxTerminalError(
+            f"Sandbox {handle} was created with a cgroup, and this worker process cannot write one: run its commands "
+            "from a worker like the one that created it (root, the same cgroup_parent)."
+        )
+    elif not cgroups.exists(handle):
+        cgroups.create(handle, SandboxLimits.of(limits))  # gone since (the host rebooted, say): made again
+    rlimits = {}
+    if limits.get("cpu_seconds"):
+        rlimits["cpu_seconds"] = int(limits["cpu_seconds"])
+    file_limit = min(x for x in (max_file_bytes, limits.get("max_file_bytes"), 2**62) if x)
+    if file_limit < 2**62:
+        rlimits["max_file_bytes"] = int(file_limit)
+    if limits.get("max_processes") and (cgroups is None or "pids" not in cgroups.parents):
+        rlimits["max_processes"] = int(limits["max_processes"])
+    return cgroups, rlimits

@@ -2,8 +2,8 @@
 Host user ids for the local backend's sandboxes on a root worker: one uid (and the gid of the same
 number) per sandbox, leased from a range no host account uses.
 
-A lease is a file named for the id in the lease directory, created with ``O_EXCL`` and holding the
-path of the sandbox that owns it. Every change (lease, release, sweep) runs under one ``flock`` on
+A lease is a symbolic link named for the id in the lease directory, pointing at the path of the
+sandbox that holds it (made atomically: of two workers, one gets the name). Every change (lease, release, sweep) runs under one ``flock`` on
 the directory, so two workers never hand out the same id, and a release never frees an id someone
 else has leased since. The lease directory is host-wide: every worker of the host must use the same
 one (the default does), whatever its state root.
@@ -27,12 +27,10 @@ import random
 import stat
 from collections.abc import Callable, Iterator
 
+from sandbox_provider.hooks.forms.local import DEFAULT_UID_RANGE
 from sandbox_provider.sandbox.errors import SandboxTerminalError
 
 __all__ = ["DEFAULT_UID_RANGE", "IdLeases", "parse_uid_range"]
-
-#: ``first-last``, both included: the ids a root worker gives its sandboxes.
-DEFAULT_UID_RANGE = "1900000000-1900065535"
 _RANDOM_TRIES = 32
 _LOCK = ".lock"
 
@@ -79,14 +77,17 @@ class IdLeases:
         self.directory = directory
         self.first = first
         self.last = last
+        self._checked = False
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         try:
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
-            info = os.lstat(self.directory)
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
-                raise OSError(errno.EPERM, "not a directory owned by this user")
+            if not self._checked:
+                os.makedirs(self.directory, mode=0o700, exist_ok=True)
+                info = os.lstat(self.directory)
+                if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+                    raise OSError(errno.EPERM, "not a directory owned by this user")
+                self._checked = True
             fd = os.open(os.path.join(self.directory, _LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         except OSError as err:
             raise SandboxTerminalError(
@@ -106,11 +107,9 @@ class IdLeases:
         if not _unused_by_accounts(uid):
             return False
         try:
-            fd = os.open(self._path(uid), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            os.symlink(owner, self._path(uid))
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(owner)
         return True
 
     def lease(self, owner: str) -> int:
@@ -137,9 +136,8 @@ class IdLeases:
 
     def _owner(self, uid: int) -> str | None:
         try:
-            with open(self._path(uid), encoding="utf-8") as f:
-                return f.read()
-        except FileNotFoundError:
+            return os.readlink(self._path(uid))
+        except (FileNotFoundError, OSError):
             return None
 
     def release(self, uid: int, owner: str) -> None:

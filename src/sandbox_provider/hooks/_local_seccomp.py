@@ -45,12 +45,11 @@ from __future__ import annotations
 
 import errno
 import functools
-import os
 import tempfile
 
 from sandbox_provider.sandbox.errors import SandboxTerminalError
 
-__all__ = ["REFUSED", "filter_program", "refused_names", "seccomp_fd"]
+__all__ = ["REFUSED", "filter_program", "refused_names", "syscall_number"]
 
 #: The system calls refused outright, by group (see the module docstring).
 REFUSED: dict[str, tuple[str, ...]] = {
@@ -218,24 +217,12 @@ def filter_program() -> bytes:
     return _built()[0]
 
 
+def syscall_number(name: str) -> int:
+    """The number of system call ``name`` on this machine's own architecture (libseccomp knows them all)."""
+    sc = _binding()
+    return int(sc.resolve_syscall(sc.Arch.NATIVE, name))
+
+
 def refused_names() -> tuple[str, ...]:
     """The system calls the filter refuses on this worker (names, with the conditional ones described)."""
     return _built()[1]
-
-
-def seccomp_fd() -> int:
-    """
-    A new descriptor holding :func:`filter_program`, positioned at its start, for one ``bwrap``.
-
-    The caller passes it to the child (``pass_fds``) and closes it after the spawn. It is an
-    anonymous memory file, never visible in the file system.
-    """
-    program = filter_program()
-    fd = os.memfd_create("sandbox-seccomp", os.MFD_CLOEXEC)
-    try:
-        os.write(fd, program)
-        os.lseek(fd, 0, os.SEEK_SET)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd

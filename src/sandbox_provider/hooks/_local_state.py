@@ -3,16 +3,19 @@ Crash-safe sandbox directories for the local backend.
 
 Layout under the state root (``<handle>`` is ``airflow-sandbox-<12 hex>``)::
 
-    <handle>/                 the sandbox: stamps, spec.env, run markers (the worker's, 0600)
-    <handle>/box/             the sandbox's own files (its user's, 0700; a size-limited tmpfs
-                              when the sandbox has a disk budget)
-    <handle>/box/workspace/   the workdir
-    <handle>/box/tmp/         its /tmp
+    <handle>/                 the sandbox: its user's, 0700 (no other sandbox's user, and no host
+                              user but root, can enter it)
+    <handle>/sandbox.json     the worker's record: stamps, spec.env, limits (root's, 0600)
+    <handle>/workspace/       the workdir (the sandbox's user's, 0700)
+    <handle>/tmp/             its /tmp (likewise)
+    <handle>/box/             instead, with a disk budget: a tmpfs of that size holding
+                              workspace/ and tmp/
     .creating-<handle>/       a create in progress, or one a crash interrupted
     .destroyed-<handle>/      a destroy in progress, or one a crash interrupted
 
-A sandbox is built under its ``.creating-`` name and renamed into place with its stamps written, so
-no sandbox ever exists without them. A destroy first renames it to its ``.destroyed-`` name (from
+The sandbox's processes never see this directory: only its workspace and tmp are mounted into
+their namespace. A sandbox is built under its ``.creating-`` name and renamed into place with its
+record written, so no sandbox ever exists without its stamps. A destroy first renames it to its ``.destroyed-`` name (from
 then on it is gone for every caller), and removes the workspace last. Whoever works on a
 ``.creating-`` or ``.destroyed-`` directory holds an ``flock`` on it; a sweep takes over any such
 directory whose lock is free, because its worker died. Removal walks the tree iteratively through
@@ -24,34 +27,57 @@ from __future__ import annotations
 
 import array
 import contextlib
+import ctypes
 import errno
 import fcntl
+import json
 import os
 import stat
-import subprocess
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
+from sandbox_provider.sandbox.attach import expiry_of
+from sandbox_provider.sandbox.errors import SandboxTerminalError
 from sandbox_provider.sandbox.spec import is_named_sandbox
 
 __all__ = [
     "BOX",
     "CREATING",
     "DESTROYED",
+    "RECORD",
     "SweepReport",
+    "abandoned",
     "box_path",
     "building",
+    "check_reachable",
+    "checked_root",
     "claim",
     "classify",
+    "expired",
     "mark_destroyed",
     "mount_box",
+    "read_record",
+    "recorded_uid",
     "remove_sandbox_dir",
     "remove_tree",
+    "settled",
+    "write_record",
 ]
 
 CREATING = ".creating-"
 DESTROYED = ".destroyed-"
 BOX = "box"
+#: The worker's record of a sandbox: ``stamps`` (strings), ``env`` (spec.env, handed to each
+#: command through a descriptor) and ``limits`` (what it was created with).
+RECORD = "sandbox.json"
+#: The stamp recording the host user id a sandbox runs as.
+UID_TAG = "airflow_sandbox_uid"
+_STAMPLESS_GRACE = 600.0  # seconds before a sandbox directory without a record (an older layout) is swept
+_NEVER = 4102444800.0  # 2100-01-01, the record's time for a sandbox without an expiry
+#: Seconds an unlocked ``.creating-`` directory is left alone: its creator may not have locked it yet.
+CREATING_GRACE = 5.0
 _FS_IOC_GETFLAGS = 0x80086601
 _FS_IOC_SETFLAGS = 0x40086602
 _FS_IMMUTABLE_FL = 0x00000010
@@ -67,9 +93,88 @@ class SweepReport:
     failed: dict[str, str] = field(default_factory=dict)
 
 
-def box_path(sandbox_dir: str) -> str:
-    """The directory holding the sandbox's own files (workspace and tmp)."""
-    return os.path.join(sandbox_dir, BOX)
+def box_path(sandbox_dir: str, limits: dict[str, Any] | None = None) -> str:
+    """The directory holding the sandbox's workspace and tmp: the sandbox's own, or its box with a disk budget."""
+    return os.path.join(sandbox_dir, BOX) if limits and limits.get("disk_bytes") else sandbox_dir
+
+
+def read_record(path: str) -> dict[str, Any]:
+    """
+    The record of the sandbox directory ``path``: ``stamps``, ``env`` and ``limits``.
+
+    :raises SandboxTerminalError: if it cannot be read.
+    """
+    try:
+        with open(os.path.join(path, RECORD), encoding="utf-8") as f:
+            record = json.load(f)
+        return {key: dict(record[key]) for key in ("stamps", "env", "limits")}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise SandboxTerminalError(f"Sandbox {os.path.basename(path)} has no readable record: {err}") from err
+
+
+def write_record(path: str, record: dict[str, Any]) -> None:
+    """
+    Replace the record of the sandbox directory ``path`` atomically (a rename), readable by the
+    worker only. Its modification time is set to the sandbox's expiry (far ahead without one), so
+    a sweep tells an expired sandbox by one ``stat``.
+    """
+    target = os.path.join(path, RECORD)
+    tmp = f"{target}.{os.getpid()}.{threading.get_ident()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(record, f)
+    expires = expiry_of(record.get("stamps") or {})
+    stamp = _NEVER if expires is None else expires
+    os.utime(tmp, (stamp, stamp))
+    os.replace(tmp, target)
+
+
+def checked_root(root: str, mode: int, *, create: bool = False) -> str:
+    """
+    ``root`` if it is a directory of this user (made with ``mode`` when ``create``; its mode set to it).
+
+    :raises SandboxTerminalError: if it cannot be used, saying to pass another ``state_root``.
+    """
+    try:
+        try:
+            info = os.lstat(root)
+        except FileNotFoundError:
+            if not create:
+                return root
+            os.makedirs(root, mode=mode, exist_ok=True)
+            info = os.lstat(root)
+    except OSError as err:
+        raise SandboxTerminalError(
+            f"The sandbox state directory {root!r} cannot be used ({err.strerror}); pass another state_root "
+            "to LocalSandboxHook or its connection."
+        ) from err
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+        raise SandboxTerminalError(
+            f"The sandbox state directory {root!r} is not a directory owned by this user; pass another "
+            "state_root to LocalSandboxHook."
+        )
+    if stat.S_IMODE(info.st_mode) != mode:
+        os.chmod(root, mode)
+    return root
+
+
+def check_reachable(root: str) -> None:
+    """
+    A root worker's sandboxes run as users of their own, who must be able to pass through every
+    directory above their own. :raises SandboxTerminalError: naming the one they cannot.
+    """
+    here = os.path.abspath(root)
+    while True:
+        if not os.stat(here).st_mode & stat.S_IXOTH:
+            raise SandboxTerminalError(
+                f"The worker runs as root, so its sandboxes run as users of their own, who cannot reach the "
+                f"state directory {root!r}: {here!r} is not searchable by other users. Pass a state_root whose "
+                "parent directories are (e.g. under /tmp or /var/lib), or chmod o+x that directory."
+            )
+        parent = os.path.dirname(here)
+        if parent == here:
+            return
+        here = parent
 
 
 # -- create and destroy ----------------------------------------------------------------------------
@@ -146,47 +251,92 @@ def classify(root: str) -> Iterator[tuple[str, str, str]]:
                 break
 
 
+def recorded_uid(path: str) -> int | None:
+    """The user id in a sandbox directory's record, or None without one (an interrupted create)."""
+    try:
+        return int(read_record(path)["stamps"][UID_TAG])
+    except (SandboxTerminalError, KeyError, ValueError):
+        return None
+
+
+def expired(path: str, now: float) -> bool:
+    """Whether the sandbox at ``path`` is past its lifetime; one without a record (an older layout) after a grace."""
+    try:
+        return os.stat(os.path.join(path, RECORD)).st_mtime <= now
+    except FileNotFoundError:
+        pass
+    try:
+        return os.lstat(path).st_mtime + _STAMPLESS_GRACE <= now
+    except FileNotFoundError:
+        return False
+
+
+def settled(path: str, now: float) -> bool:
+    """Whether the ``.creating-`` directory at ``path`` is older than :data:`CREATING_GRACE`."""
+    try:
+        return os.lstat(path).st_mtime + CREATING_GRACE <= now
+    except FileNotFoundError:
+        return False
+
+
+def abandoned(owner: str) -> bool:
+    """Whether no directory of the sandbox at ``owner`` (live, being made, being destroyed) exists."""
+    root, handle = os.path.split(owner)
+    names = (handle, CREATING + handle, DESTROYED + handle)
+    return not any(os.path.lexists(os.path.join(root, name)) for name in names)
+
+
+_MS_NOSUID = 0x2
+_MS_NODEV = 0x4
+_MNT_DETACH = 0x2
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def mount_box(box: str, *, size_bytes: int, uid: int, gid: int) -> None:
     """
     Mount a tmpfs of ``size_bytes`` on ``box``, owned by ``uid``/``gid``, mode 0700 (a root worker only).
 
-    :raises OSError: if ``mount`` fails (its message is in the error).
+    Through the C library's ``mount`` in this process, so a worker killed meanwhile leaves no
+    helper behind to mount after the sweep has run.
+
+    :raises OSError: if the kernel refuses.
     """
-    options = f"size={size_bytes},mode=0700,uid={uid},gid={gid},nodev,nosuid"
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", options, "airflow-sandbox", box],
-        capture_output=True,
-        text=True,
-        stdin=subprocess.DEVNULL,
-    )
-    if done.returncode != 0:
-        raise OSError(errno.EIO, f"mount of a {size_bytes}-byte tmpfs failed: {done.stderr.strip()}")
+    options = f"size={int(size_bytes)},mode=0700,uid={int(uid)},gid={int(gid)}".encode()
+    libc = _libc()
+    if libc.mount(b"airflow-sandbox", os.fsencode(box), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mounting a {size_bytes}-byte tmpfs for the sandbox failed: {os.strerror(err)}", box)
 
 
 def _unmount(path: str) -> None:
     if not os.path.ismount(path):
         return
-    done = subprocess.run(["umount", path], capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if done.returncode != 0 and os.path.ismount(path):
-        # Busy (a process we could not kill holds it): detach it; the kernel frees it when released.
-        lazy = subprocess.run(["umount", "-l", path], capture_output=True, text=True, stdin=subprocess.DEVNULL)
-        if lazy.returncode != 0:
-            raise OSError(errno.EBUSY, f"cannot unmount {path}: {lazy.stderr.strip() or done.stderr.strip()}")
+    libc = _libc()
+    if libc.umount2(os.fsencode(path), 0) == 0:
+        return
+    # Busy (a process we could not kill holds it): detach it; the kernel frees it when released.
+    if libc.umount2(os.fsencode(path), _MNT_DETACH) != 0 and os.path.ismount(path):
+        err = ctypes.get_errno()
+        raise OSError(err, f"cannot unmount the sandbox's box: {os.strerror(err)}", path)
 
 
 def remove_sandbox_dir(path: str) -> None:
     """
-    Remove a sandbox directory: the worker's files first, then the box (workspace) last, then the
-    directory. The caller has killed its processes. Idempotent.
+    Remove a sandbox directory: the worker's files and the sandbox's /tmp first, the workspace
+    (or the box holding it) last, then the directory. The caller has killed its processes. Idempotent.
     """
     if not os.path.lexists(path):
         return
-    box = box_path(path)
     for name in os.listdir(path):
-        if name != BOX:
+        if name not in (BOX, "workspace"):
             remove_tree(os.path.join(path, name))
+    box = os.path.join(path, BOX)  # a sandbox with a disk budget keeps its workspace in it
     _unmount(box)
     remove_tree(box)
+    remove_tree(os.path.join(path, "workspace"))
     remove_tree(path)
 
 
@@ -236,23 +386,13 @@ class _Level:
 
 
 def _empty_files(fd: int, level: _Level) -> None:
-    """Unlink everything but directories; remove empty directories; note the others as pending."""
-    pending = []
+    """Unlink everything but directories; note the directories as pending (each is emptied, then removed)."""
     with os.scandir(fd) as entries:
         listed = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
     for name, is_dir in listed:
         if not is_dir:
             _unlink(fd, name)
-            continue
-        try:
-            os.rmdir(name, dir_fd=fd)
-        except FileNotFoundError:
-            pass
-        except OSError as err:
-            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.EPERM, errno.EACCES, errno.EBUSY):
-                raise
-            pending.append(name)
-    level.pending = pending
+    level.pending = [name for name, is_dir in listed if is_dir]
 
 
 def _enter(fd: int, name: str, dev: int) -> tuple[int, tuple[int, int]]:
@@ -293,6 +433,12 @@ def remove_tree(path: str) -> None:
         if not stat.S_ISDIR(info.st_mode):
             _unlink(parent_fd, top)
             return
+        try:
+            os.rmdir(top, dir_fd=parent_fd)  # the common case: empty already
+            return
+        except OSError as err:
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.EPERM, errno.EACCES, errno.EBUSY):
+                raise
         _walk_and_remove(parent_fd, top, info.st_dev)
     finally:
         os.close(parent_fd)
