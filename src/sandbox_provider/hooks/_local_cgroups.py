@@ -407,7 +407,12 @@ def find(mountinfo: str, proc_cgroup: str, cgroup_parent: str | None = None) -> 
     parents, points = _v1_parents(mounts, own, cgroup_parent)
     if not parents:
         return None
-    return Cgroups(1, parents, lambda: [os.makedirs(parent, exist_ok=True) for parent in parents.values()], points)
+
+    def rebuild() -> None:
+        for parent in parents.values():
+            os.makedirs(parent, exist_ok=True)
+
+    return Cgroups(1, parents, rebuild, points)
 
 
 @functools.lru_cache(maxsize=8)
@@ -465,8 +470,16 @@ def plan(settings: Mapping[str, Any], cgroups: Cgroups | None, *, root_worker: b
             "weaker than asked. Drop those settings, or run the worker as root where it can write a cgroup "
             "hierarchy (or name a delegated one in cgroup_parent); see the README's local backend section."
         )
-    names = ("cpu_seconds", "cpu_limit", "memory_bytes", "max_file_bytes", "max_processes", "shm_bytes", "disk_bytes")
-    return {**{name: settings[name] for name in names}, "cgroup": cgroups is not None}
+    return {
+        "cpu_seconds": settings["cpu_seconds"],
+        "cpu_limit": settings["cpu_limit"],
+        "memory_bytes": settings["memory_bytes"],
+        "max_file_bytes": settings["max_file_bytes"],
+        "max_processes": settings["max_processes"],
+        "shm_bytes": settings["shm_bytes"],
+        "disk_bytes": settings["disk_bytes"],
+        "cgroup": cgroups is not None,
+    }
 
 
 def confinement(

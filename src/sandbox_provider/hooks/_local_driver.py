@@ -461,10 +461,15 @@ def start(
         for fd in passed:
             os.close(fd)
     started = Started(proc, status_r)
-    if join_cgroup is None:
-        return started
+    if join_cgroup is not None:
+        _join_then_release(started, block_w, join_cgroup)
+    return started
+
+
+def _join_then_release(started: Started, block_w: int, join_cgroup: Callable[[int], None]) -> None:
+    """Wait for bwrap's child, put it into the cgroup, then let it run (``--block-fd``); close ``block_w``."""
     try:
-        started.status, rest = _first_status(status_r)
+        started.status, rest = _first_status(started.status_fd)
         started.status.update(status_docs(rest))
         child = started.status.get("child-pid")
         if isinstance(child, int):
@@ -472,13 +477,12 @@ def start(
         with contextlib.suppress(BrokenPipeError):  # bwrap already failed: the caller reads why
             os.write(block_w, b"x")
     except BaseException:
-        kill_group(proc.pid)
-        proc.wait()
-        os.close(status_r)
+        kill_group(started.proc.pid)
+        started.proc.wait()
+        os.close(started.status_fd)
         raise
     finally:
         os.close(block_w)
-    return started
 
 
 def follow(

@@ -34,7 +34,7 @@ import json
 import os
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,7 +93,7 @@ class SweepReport:
     failed: dict[str, str] = field(default_factory=dict)
 
 
-def box_path(sandbox_dir: str, limits: dict[str, Any] | None = None) -> str:
+def box_path(sandbox_dir: str, limits: Mapping[str, Any] | None = None) -> str:
     """The directory holding the sandbox's workspace and tmp: the sandbox's own, or its box with a disk budget."""
     return os.path.join(sandbox_dir, BOX) if limits and limits.get("disk_bytes") else sandbox_dir
 

@@ -3,43 +3,24 @@
 
 The embedded default backend: no daemon, no account. A sandbox is a directory on the worker; every
 command runs in a fresh ``bwrap`` with its own user, PID, IPC, UTS, cgroup and (unless the spec
-opens it) network namespaces. What a command sees:
+opens it) network namespaces, no capabilities, the host's system directories (or ``image``)
+read-only, its workspace at ``workdir`` and a ``/tmp`` of its own (both kept between commands), a
+fresh ``/dev/shm``, and an environment of ``PATH``, ``HOME``, ``LANG``, ``TMPDIR`` and ``spec.env``.
 
-- the host's system directories (``/usr``, ``/bin``, ``/lib*``, ``/sbin`` and a short list of
-  harmless ``/etc`` entries), read-only, or the directory given as ``image`` as its root instead;
-- the sandbox's workspace, read-write, at ``workdir`` (default ``/workspace``), and a ``/tmp`` of its
-  own, both kept between commands of the same sandbox; a ``/dev/shm`` of its own per command;
-- a ``/proc`` showing only its own processes and a minimal ``/dev``;
-- an environment holding ``PATH``, ``HOME`` (the workdir), ``LANG``, ``TMPDIR`` and ``spec.env``.
-
-It does not see the worker's home, ``AIRFLOW_HOME``, environment, processes, sockets, keyrings or
-other sandboxes, and it has no capabilities. Each command starts in a fresh session keyring of its
-own, under a system-call filter of the shape of Docker's default profile (``_local_seccomp`` lists
-it), and ``spec.env`` reaches it through a descriptor, never a command line.
-
-Who runs it. A root worker gives each sandbox a host user id (and group id) of its own, leased from
-``uid_range`` (default 1900000000-1900065535, ids no account may use) and released when the sandbox
-is destroyed; its files are that user's, mode 0700, so no other sandbox, and no host user but root,
-can read them or its processes' environment. A worker that is not root runs sandboxes as its own
-user inside a user namespace: sandboxes are then apart from each other only by their mount and PID
-namespaces, and any process of the worker's user can read their files.
-
-Limits. Where the worker can write a cgroup hierarchy (v2, or v1 as on many CI hosts), each sandbox
-gets a cgroup holding every process of every command: ``max_processes`` (``pids.max``, default
-1024, one sandbox's fork bomb stops no other), ``memory_bytes`` (``memory.max``: its processes, its
-tmpfs files and page cache) and ``cpu_limit`` (``cpu.max``, in CPUs). Without one, the worker says
-so once in its log, ``max_processes`` becomes ``RLIMIT_NPROC`` of the sandbox's user, and
-``memory_bytes`` or ``cpu_limit`` are refused. On every worker: ``cpu_seconds`` (``RLIMIT_CPU`` per
-process), ``max_file_bytes`` (``RLIMIT_FSIZE``), ``shm_bytes`` (the size of ``/dev/shm``, default 64
-MiB) and, on a root worker, ``disk_bytes``: the workspace and ``/tmp`` live on a tmpfs of that
-size (refused on a worker that is not root). A sandbox keeps the limits it was created with.
+Every command starts in a fresh session keyring of its own (``_local_spawner``), under a system-call
+filter of the shape of Docker's default profile (``_local_seccomp`` lists it), with ``spec.env``
+handed over through a descriptor, never a command line (``_local_driver``). A root worker gives each
+sandbox a host uid of its own from ``uid_range`` (``_local_ids``), owning its files at mode 0700;
+a worker that is not root runs sandboxes as itself in a user namespace. Where the worker can write
+a cgroup hierarchy (v2 or v1), each sandbox gets a cgroup for ``max_processes``, ``memory_bytes``
+(tmpfs and page cache included) and ``cpu_limit`` (``_local_cgroups``); without one,
+``max_processes`` becomes ``RLIMIT_NPROC`` of the sandbox's user and the other two are refused.
+``disk_bytes`` is a tmpfs of that size on a root worker, refused elsewhere. Directories are made and
+removed crash-safely (``_local_state``). The README's local backend section gives the model per
+kind of worker.
 
 ``block_network=False`` shares the worker's network namespace: the sandbox reaches whatever the
-worker reaches, its loopback services (an API server, a database on 127.0.0.1) and abstract Unix
-sockets included. Use it only for code you would let onto the worker's network.
-
-Its directory is made and destroyed crash-safely (``_local_state``): a worker killed at any point
-of ``create`` or ``destroy`` leaves nothing the next sweep does not remove.
+worker reaches, its loopback services and abstract Unix sockets included.
 """
 
 from __future__ import annotations
@@ -212,8 +193,6 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
             extras = conn.extra_dejson
         try:
             settings = self.settings.resolve(self._args, extras, conn_id=self.sandbox_conn_id)
-            settings["uid_bounds"] = parse_uid_range(settings["uid_range"])
-            cgroups_mod.check_parent(settings["cgroup_parent"])
         except ValueError as err:
             raise SandboxTerminalError(f"{err} Fix the connection's extra, or pass the setting to the hook.") from err
         tmp = tempfile.gettempdir()
@@ -267,13 +246,13 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
         return 0o711 if self._drops_root else 0o700
 
     def _cgroups(self) -> cgroups_mod.Cgroups | None:
-        return cgroups_mod.probe(self._resolved()["cgroup_parent"])
+        return cgroups_mod.probe(_checked(self._resolved()["cgroup_parent"], cgroups_mod.check_parent))
 
     def _leases(self) -> IdLeases | None:
         if not self._drops_root:
             return None
-        settings = self._resolved()
-        return IdLeases(settings["uid_lease_dir"], *settings["uid_bounds"])
+        first, last = _checked(self._resolved()["uid_range"], parse_uid_range)
+        return IdLeases(self._resolved()["uid_lease_dir"], first, last)
 
     def uid_of(self, handle: str) -> int:
         """The host user id the sandbox's commands run as (the worker's own when it is not root)."""
@@ -347,6 +326,7 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
         for tool in driver.TOOLS:
             self._tool(tool)
         limits = self._new_limits()
+        self._leases()  # a bad uid_range is refused before anything is made
         root = self._root(create=True)
         if self._drops_root:
             state.check_reachable(root)
@@ -658,6 +638,14 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
 
 #: The guide's name for this backend.
 LocalSandboxBackend = LocalSandboxHook
+
+
+def _checked(value: Any, check: Callable[[Any], Any]) -> Any:
+    """A setting of a shape its table cannot say, checked: :raises SandboxTerminalError: saying what to fix."""
+    try:
+        return check(value)
+    except ValueError as err:
+        raise SandboxTerminalError(f"{err} Fix the connection's extra, or pass the setting to the hook.") from err
 
 
 @functools.cache
