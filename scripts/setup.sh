@@ -16,6 +16,10 @@ missing=()
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
 [ -x /usr/bin/python3 ] || missing+=(python3)
 command -v prlimit >/dev/null 2>&1 || missing+=(util-linux)
+# libseccomp2: the local sandboxes' system-call filter is built with libseccomp;
+# keyutils: the keyring tests plant a secret with keyctl and try to read it from inside.
+command -v keyctl >/dev/null 2>&1 || missing+=(keyutils)
+ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2' || missing+=(libseccomp2)
 if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     log "installing ${missing[*]}"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import glob
 import importlib
 import importlib.metadata
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import jsonschema
@@ -76,9 +78,11 @@ def test_form_fields_and_the_settings_hooks_read_are_one_list():
 
         source = inspect.getsource(importlib.import_module(module))
         source += inspect.getsource(importlib.import_module("sandbox_provider.sandbox.hook"))
-        driver = module.replace(".hooks.", ".hooks._", 1) + "_driver"  # a backend's private plumbing, if any
-        if importlib.util.find_spec(driver) is not None:
-            source += inspect.getsource(importlib.import_module(driver))
+        # A backend's private plumbing, if any: its _driver module and any other _<backend>_ module.
+        package, _, backend = module.rpartition(".")
+        folder = os.path.dirname(importlib.import_module(module).__file__)
+        for private in sorted(glob.glob(os.path.join(folder, f"_{backend}_*.py"))):
+            source += inspect.getsource(importlib.import_module(f"{package}.{os.path.basename(private)[:-3]}"))
         read = set(re.findall(r"settings\[[\"'](\w+)[\"']\]", source))
         read |= set(re.findall(r"_resolved\(\)(?:\[|\.get\()[\"'](\w+)[\"']", source))
         assert read, f"found no settings read in {module}"

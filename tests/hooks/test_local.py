@@ -202,13 +202,32 @@ class TestCommands:
 
     def test_memory_limit(self, tmp_path):
         hook = LocalSandboxHook(state_root=str(tmp_path / "s"), memory_bytes=256 * 1024 * 1024)
+        if hook._cgroups() is None or "memory" not in hook._cgroups().parents:
+            with pytest.raises(SandboxTerminalError, match="cannot enforce memory_bytes"):
+                hook.create()
+            return
         handle = hook.create()
         try:
-            result = run(hook, handle, "python3 -c 'b = bytearray(600 * 1024 * 1024)'")
+            result = run(hook, handle, "python3 -c 'b = bytearray(600 * 1024 * 1024); print(len(b))'")
             assert result.exit_code != 0
-            assert "MemoryError" in result.stderr
+            assert "reached its memory limit (memory_bytes=268435456)" in result.stderr
+            assert run(hook, handle, "python3 -c 'b = bytearray(100 * 1024 * 1024); print(len(b))'").ok
         finally:
             hook.destroy(handle)
+
+    def test_limits_a_worker_cannot_enforce_are_refused_before_anything_is_made(self, tmp_path, monkeypatch):
+        from sandbox_provider.hooks import _local_cgroups
+
+        monkeypatch.setattr(LocalSandboxHook, "_cgroups", lambda self: None)
+        for setting in ({"memory_bytes": 1 << 28}, {"cpu_limit": 0.5}):
+            hook = LocalSandboxHook(state_root=str(tmp_path / "s"), **setting)
+            with pytest.raises(SandboxTerminalError, match=f"cannot enforce {next(iter(setting))}"):
+                hook.create()
+        monkeypatch.setattr(LocalSandboxHook, "_drops_root", False)
+        with pytest.raises(SandboxTerminalError, match="disk_bytes .*only a root worker"):
+            LocalSandboxHook(state_root=str(tmp_path / "s"), disk_bytes=1 << 20).create()
+        assert not (tmp_path / "s").exists() or os.listdir(tmp_path / "s") == []
+        assert _local_cgroups  # the probe itself is covered in test_local_cgroups
 
     def test_cpu_limit(self, tmp_path):
         hook = LocalSandboxHook(state_root=str(tmp_path / "s"), cpu_seconds=1)
@@ -247,7 +266,12 @@ class TestCommands:
             hook.destroy(handle)
 
     def test_default_process_limit_applies(self, hook, sandbox):
-        assert "Max processes             1024" in run(hook, sandbox, "cat /proc/self/limits").stdout
+        cgroups = hook._cgroups()
+        if cgroups is not None and "pids" in cgroups.parents:
+            with open(os.path.join(cgroups.parents["pids"], sandbox, "pids.max")) as f:
+                assert f.read().strip() == "1024"
+        else:
+            assert "Max processes             1024" in run(hook, sandbox, "cat /proc/self/limits").stdout
 
     def test_file_size_limit(self, tmp_path):
         hook = LocalSandboxHook(state_root=str(tmp_path / "s"), max_file_bytes=1000)
@@ -261,9 +285,9 @@ class TestCommands:
 
     @pytest.mark.skipif(os.geteuid() != 0, reason="only a root worker hands sandboxes to another user")
     def test_root_worker_runs_sandboxes_unprivileged(self, hook, sandbox):
-        assert run(hook, sandbox, "id -u; touch made-here").stdout.strip() != "0"
+        assert run(hook, sandbox, "id -u; touch made-here").stdout.split()[0] == str(hook.uid_of(sandbox))
         made = os.stat(os.path.join(hook.state_root, sandbox, "workspace", "made-here"))
-        assert made.st_uid == hook.sandbox_uid != 0
+        assert made.st_uid == hook.uid_of(sandbox) >= 1_900_000_000
 
     def test_bwrap_starts_with_a_fixed_environment(self, hook, sandbox, monkeypatch):
         result = run(hook, sandbox, "tr '\\0' '\\n' < /proc/1/environ")
@@ -358,7 +382,7 @@ class TestLifetimeAndAttach:
         time_machine.move_to("2026-06-01 12:05:00", tick=True)
         with pytest.raises(SandboxTerminalError, match="end of its lifetime"):
             run(hook, handle, "true")
-        assert hook.gc_expired() == [handle]
+        assert hook.gc_expired().removed == [handle]
         assert os.listdir(hook.state_root) == [kept]
         hook.destroy(kept)
 
@@ -425,17 +449,23 @@ class TestLifetimeAndAttach:
     def test_destroy_kills_running_command(self, hook):
         handle = hook.create()
         results = []
-        thread = threading.Thread(target=lambda: results.append(run(hook, handle, "sleep 60", timeout=120)))
+        thread = threading.Thread(
+            target=lambda: results.append(run(hook, handle, "touch started; sleep 60", timeout=120))
+        )
         thread.start()
-        path = os.path.join(hook.state_root, handle)
-        for _ in range(200):
-            if any(name.startswith("run-") for name in os.listdir(path)):
+        started = os.path.join(hook.state_root, handle, "workspace", "started")
+        for _ in range(400):
+            if os.path.exists(started):
                 break
             time.sleep(0.05)
-        LocalSandboxHook(state_root=hook.state_root).destroy(handle)
+        LocalSandboxHook(state_root=hook.state_root).destroy(handle)  # another task's hook
         thread.join(timeout=20)
         assert not thread.is_alive()
         assert results and results[0].sandbox_terminated
+
+    def test_destroy_kills_running_command_without_cgroups(self, tmp_path, monkeypatch):
+        monkeypatch.setattr(LocalSandboxHook, "_cgroups", lambda self: None)
+        self.test_destroy_kills_running_command(LocalSandboxHook(state_root=str(tmp_path / "state")))
 
 
 class TestConnection:

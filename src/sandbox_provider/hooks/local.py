@@ -2,52 +2,45 @@
 ``LocalSandboxHook``: sandboxes on the worker itself, isolated by bubblewrap (``bwrap``).
 
 The embedded default backend: no daemon, no account. A sandbox is a directory on the worker; every
-command runs in a fresh ``bwrap`` with its own user, PID, IPC, UTS and (unless the spec opens it)
-network namespaces. What a command sees:
+command runs in a fresh ``bwrap`` with its own user, PID, IPC, UTS, cgroup and (unless the spec
+opens it) network namespaces, no capabilities, the host's system directories (or ``image``)
+read-only, its workspace at ``workdir`` and a ``/tmp`` of its own (both kept between commands), a
+fresh ``/dev/shm``, and an environment of ``PATH``, ``HOME``, ``LANG``, ``TMPDIR`` and ``spec.env``.
 
-- the host's system directories (``/usr``, ``/bin``, ``/lib*``, ``/sbin`` and a short list of
-  harmless ``/etc`` entries), read-only, or the directory given as ``image`` as its root instead;
-- the sandbox's workspace, read-write, at ``workdir`` (default ``/workspace``), and a ``/tmp`` of its
-  own, both kept between commands of the same sandbox;
-- a ``/proc`` showing only its own processes and a minimal ``/dev``;
-- an environment holding ``PATH``, ``HOME`` (the workdir), ``LANG`` and ``spec.env``, nothing else.
-
-It does not see the worker's home, ``AIRFLOW_HOME``, environment, processes, sockets or other
-sandboxes, and it has no capabilities.
-
-Who runs it: the worker's own user, or, when the worker runs as root, the unprivileged user
-``sandbox_uid`` (default 65534, ``nobody``), so nothing in a sandbox ever holds the worker's root
-identity, even inside its user namespace, and the process limit binds.
-
-Limits are kernel resource limits on every process of a command, set with util-linux's ``prlimit``:
-``max_processes`` (``RLIMIT_NPROC``, default 1024: the processes of the sandbox's user on the host,
-so a fork bomb stops there), ``cpu_seconds`` (``RLIMIT_CPU``), ``memory_bytes`` (``RLIMIT_AS``, the
-address space of each process) and ``max_file_bytes`` (``RLIMIT_FSIZE``, the largest file a process
-may write). There is no quota on the total disk a sandbox uses: its workspace lives under
-``state_root``; put that on a filesystem sized for it. A cgroup-based limit needs a delegated
-cgroup, which this backend does not assume.
+Every command starts in a fresh session keyring of its own (``_local_spawner``), under a system-call
+filter of the shape of Docker's default profile (``_local_seccomp`` lists it), with ``spec.env``
+handed over through a descriptor, never a command line (``_local_driver``). A root worker gives each
+sandbox a host uid of its own from ``uid_range`` (``_local_ids``), owning its files at mode 0700;
+a worker that is not root runs sandboxes as itself in a user namespace. Where the worker can write
+a cgroup hierarchy (v2 or v1), each sandbox gets a cgroup for ``max_processes``, ``memory_bytes``
+(tmpfs and page cache included) and ``cpu_limit`` (``_local_cgroups``); without one,
+``max_processes`` becomes ``RLIMIT_NPROC`` of the sandbox's user and the other two are refused.
+``disk_bytes`` is a tmpfs of that size on a root worker, refused elsewhere. Directories are made and
+removed crash-safely (``_local_state``). The README's local backend section gives the model per
+kind of worker.
 
 ``block_network=False`` shares the worker's network namespace: the sandbox reaches whatever the
-worker reaches, its loopback services (an API server, a database on 127.0.0.1) and abstract Unix
-sockets included. Use it only for code you would let onto the worker's network.
+worker reaches, its loopback services and abstract Unix sockets included.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
+import functools
 import logging
 import os
 import shutil
-import stat
 import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
+from sandbox_provider.hooks import _local_cgroups as cgroups_mod
 from sandbox_provider.hooks import _local_driver as driver
+from sandbox_provider.hooks import _local_state as state
+from sandbox_provider.hooks._local_ids import IdLeases, parse_uid_range
 from sandbox_provider.hooks.forms.local import FORM
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.attach import Attachable, expiry_of
@@ -72,11 +65,12 @@ from sandbox_provider.sandbox.spec import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LocalSandboxBackend", "LocalSandboxHook"]
+__all__ = ["LocalSandboxBackend", "LocalSandboxHook", "SweepReport"]
 
-_STAMPS = "stamps.json"
-_ENV = "env.json"
+SweepReport = state.SweepReport
+UID_TAG = state.UID_TAG
 _EXPORT_MIN_RATE = 1024 * 1024  # bytes per second a local export is allowed to be slow to
+_LEASE_SWEEP_EVERY = 60.0  # seconds between lease sweeps on the create path
 
 
 class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
@@ -88,19 +82,31 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
     :param state_root: directory holding the sandboxes. Default: ``<tmp>/airflow-sandbox-<uid>``,
         so tasks on one host (LocalExecutor, ``airflow dags test``) find each other's sandboxes.
     :param image: a root filesystem directory to use, read-only, instead of the host's system
-        directories (for example one made with ``debootstrap``).
+        directories (for example one made with ``debootstrap``); on a root worker every user must
+        be able to read it.
     :param workdir: where the workspace is mounted inside; relative paths resolve there.
     :param sandbox_timeout: the sandbox's lifetime in seconds (default 3600). After it, commands are
         refused as terminal, and the next ``create`` on this host or :meth:`gc_expired` removes it.
     :param cpu_seconds: CPU seconds per process (``RLIMIT_CPU``); None for no limit.
-    :param memory_bytes: address space per process in bytes (``RLIMIT_AS``); None for no limit.
-    :param max_processes: processes of the sandbox's user on the host (``RLIMIT_NPROC``); default 1024.
+    :param cpu_limit: CPU time of the whole sandbox per second, in CPUs (cgroup ``cpu.max``); None
+        for no limit. Refused on a worker without a writable cgroup hierarchy.
+    :param memory_bytes: memory of the whole sandbox in bytes, tmpfs and page cache included
+        (cgroup ``memory.max``); None for no limit. Refused on a worker without a writable cgroup.
+    :param max_processes: processes and threads of the sandbox at once (cgroup ``pids.max``, or
+        ``RLIMIT_NPROC`` of its user without cgroups); default 1024.
     :param max_file_bytes: the largest file a process may write, in bytes (``RLIMIT_FSIZE``); None
-        for no limit. Not a quota: the total a sandbox writes is not bounded.
-    :param sandbox_uid: the user a root worker runs sandboxes as (default 65534, ``nobody``);
-        ignored when the worker is not root. The ``image`` directory must be readable by it.
+        for no limit.
+    :param disk_bytes: bytes the workspace and ``/tmp`` may hold together (a tmpfs of that size,
+        counted in ``memory_bytes``); None for no limit. Refused on a worker that is not root.
+    :param shm_bytes: the size of ``/dev/shm``, in bytes (default 64 MiB).
+    :param uid_range: ``"first-last"``, the host user ids a root worker leases to its sandboxes
+        (default ``"1900000000-1900065535"``); ignored when the worker is not root.
+    :param uid_lease_dir: where a root worker records its leases, one directory for the host
+        (default ``<tmp>/airflow-sandbox-uids``).
+    :param cgroup_parent: where sandbox cgroups go: relative paths under the worker's own cgroup
+        (default ``airflow-sandbox``), absolute ones from the hierarchy's root.
     :param bwrap_path: the bubblewrap program, by name or path.
-    :raises ValueError: for a bad argument (a non-positive limit, a relative workdir).
+    :raises ValueError: for a bad argument (a non-positive limit, a relative workdir, a bad range).
     """
 
     name = "local"
@@ -128,10 +134,15 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
         workdir: str = DEFAULT_WORKDIR,
         sandbox_timeout: float | None = None,
         cpu_seconds: int | None = None,
+        cpu_limit: float | None = None,
         memory_bytes: int | None = None,
         max_processes: int | None = None,
         max_file_bytes: int | None = None,
-        sandbox_uid: int | None = None,
+        disk_bytes: int | None = None,
+        shm_bytes: int | None = None,
+        uid_range: str | None = None,
+        uid_lease_dir: str | os.PathLike[str] | None = None,
+        cgroup_parent: str | None = None,
         bwrap_path: str = "bwrap",
         **kwargs: Any,
     ) -> None:
@@ -143,16 +154,28 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
                 "image": os.fspath(image) if image is not None else None,
                 "sandbox_timeout": sandbox_timeout,
                 "cpu_seconds": cpu_seconds,
+                "cpu_limit": cpu_limit,
                 "memory_bytes": memory_bytes,
                 "max_processes": max_processes,
                 "max_file_bytes": max_file_bytes,
-                "sandbox_uid": sandbox_uid,
+                "disk_bytes": disk_bytes,
+                "shm_bytes": shm_bytes,
+                "uid_range": uid_range,
+                "uid_lease_dir": os.fspath(uid_lease_dir) if uid_lease_dir is not None else None,
+                "cgroup_parent": cgroup_parent,
             }
         )
+        if uid_range is not None:
+            parse_uid_range(uid_range)
+        if cgroup_parent is not None:
+            cgroups_mod.check_parent(cgroup_parent)
         self.workdir = _check_workdir(workdir)
         self.bwrap_path = bwrap_path
         self._settings: dict[str, Any] | None = None
         self._probed = False
+        self._leases_swept = 0.0
+        self._bwrap_found: str | None = None
+        self._binds: dict[bool, list[str]] = {}
 
     # -- settings --------------------------------------------------------------------------------------
 
@@ -172,8 +195,11 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
             settings = self.settings.resolve(self._args, extras, conn_id=self.sandbox_conn_id)
         except ValueError as err:
             raise SandboxTerminalError(f"{err} Fix the connection's extra, or pass the setting to the hook.") from err
+        tmp = tempfile.gettempdir()
         if settings["state_root"] is None:
-            settings["state_root"] = os.path.join(tempfile.gettempdir(), f"airflow-sandbox-{os.getuid()}")
+            settings["state_root"] = os.path.join(tmp, f"airflow-sandbox-{os.getuid()}")
+        if settings["uid_lease_dir"] is None:
+            settings["uid_lease_dir"] = os.path.join(tmp, "airflow-sandbox-uids")
         if settings["image"] is not None and not os.path.isdir(settings["image"]):
             raise SandboxTerminalError(f"image {settings['image']!r} is not a directory on this worker.")
         self._settings = settings
@@ -184,12 +210,15 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
         """The directory that holds this hook's sandboxes."""
         return self._resolved()["state_root"]
 
-    @property
-    def sandbox_uid(self) -> int:
-        """The user a root worker runs sandboxes as."""
-        return int(self._resolved()["sandbox_uid"])
+    def _system_binds(self, network: bool) -> list[str]:
+        """The read-only system mounts (or ``image``'s), looked up once per hook."""
+        if network not in self._binds:
+            self._binds[network] = driver.system_binds(self._resolved()["image"], self.workdir, network)
+        return self._binds[network]
 
     def _bwrap(self) -> str:
+        if self._bwrap_found:
+            return self._bwrap_found
         found = shutil.which(self.bwrap_path)
         if not found:
             raise SandboxTerminalError(
@@ -197,6 +226,14 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
                 "package (apt-get install bubblewrap, dnf install bubblewrap, apk add bubblewrap) or pass "
                 "bwrap_path= to LocalSandboxHook."
             )
+        self._bwrap_found = found
+        return found
+
+    @staticmethod
+    def _tool(name: str) -> str:
+        found = _which(name)
+        if not found:
+            raise SandboxTerminalError(f"The local backend needs {name!r} on the worker: install {driver.TOOLS[name]}.")
         return found
 
     @property
@@ -205,50 +242,26 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
 
     @property
     def _dir_mode(self) -> int:
-        # A root worker hands the sandbox to another user, who must be able to pass through.
+        # The state root of a root worker: its sandboxes' users must pass through to their own directories.
         return 0o711 if self._drops_root else 0o700
 
-    def _root(self, *, create: bool = False) -> str:
-        root = self.state_root
-        try:
-            if create:
-                os.makedirs(root, mode=self._dir_mode, exist_ok=True)
-            info = os.lstat(root)
-        except FileNotFoundError:
-            return root
-        except OSError as err:
-            raise SandboxTerminalError(
-                f"The sandbox state directory {root!r} cannot be used ({err.strerror}); pass another state_root "
-                "to LocalSandboxHook or its connection."
-            ) from err
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
-            raise SandboxTerminalError(
-                f"The sandbox state directory {root!r} is not a directory owned by this user; pass another "
-                "state_root to LocalSandboxHook."
-            )
-        if stat.S_IMODE(info.st_mode) != self._dir_mode:
-            os.chmod(root, self._dir_mode)
-        return root
+    def _cgroups(self) -> cgroups_mod.Cgroups | None:
+        return cgroups_mod.probe(_checked(self._resolved()["cgroup_parent"], cgroups_mod.check_parent))
 
-    def _check_reachable(self, root: str) -> None:
-        """A root worker's sandboxes run as ``sandbox_uid``, which must be able to reach the state root."""
-        here = os.path.abspath(root)
-        while True:
-            if not os.stat(here).st_mode & stat.S_IXOTH:
-                raise SandboxTerminalError(
-                    f"The worker runs as root, so its sandboxes run as uid {self.sandbox_uid}, which cannot reach "
-                    f"the state directory {root!r}: {here!r} is not searchable by other users. Pass a state_root "
-                    "whose parent directories are (e.g. under /tmp or /var/lib), or chmod o+x that directory."
-                )
-            parent = os.path.dirname(here)
-            if parent == here:
-                return
-            here = parent
+    def _leases(self) -> IdLeases | None:
+        if not self._drops_root:
+            return None
+        first, last = _checked(self._resolved()["uid_range"], parse_uid_range)
+        return IdLeases(self._resolved()["uid_lease_dir"], first, last)
+
+    def uid_of(self, handle: str) -> int:
+        """The host user id the sandbox's commands run as (the worker's own when it is not root)."""
+        return int(self.read_tags(handle).get(UID_TAG, os.getuid()))
 
     def _dir(self, handle: str) -> str:
         self.check_handle(handle)
         path = os.path.join(self._root(), handle)
-        if not os.path.isdir(os.path.join(path, "workspace")):
+        if not os.path.isfile(os.path.join(path, state.RECORD)):
             raise SandboxTerminalError(
                 f"Sandbox {handle!r} does not exist on this worker (under {self.state_root}); it was destroyed, "
                 "expired, or provisioned on another host."
@@ -258,18 +271,17 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
     # -- stamps ----------------------------------------------------------------------------------------
 
     def read_tags(self, handle: str) -> dict[str, str]:
-        """Return the sandbox's stamps (owner, holder, expiry, network, workdir, the task that made it)."""
-        path = os.path.join(self._dir(handle), _STAMPS)
-        try:
-            with open(path, encoding="utf-8") as f:
-                tags = json.load(f)
-        except (OSError, ValueError) as err:
-            raise SandboxTerminalError(f"Sandbox {handle!r} has no readable stamps: {err}") from err
-        return {str(k): str(v) for k, v in tags.items()}
+        """Return the sandbox's stamps (owner, holder, expiry, network, workdir, user id, the task that made it)."""
+        return {str(k): str(v) for k, v in state.read_record(self._dir(handle))["stamps"].items()}
 
     def write_tags(self, handle: str, tags: Mapping[str, str]) -> None:
-        """Replace the sandbox's stamps, atomically (a rename)."""
-        driver.write_json(os.path.join(self._dir(handle), _STAMPS), dict(tags))
+        """Replace the sandbox's stamps, atomically (a rename); its user id stays what it was."""
+        path = self._dir(handle)
+        record = state.read_record(path)
+        new = dict(tags)
+        if UID_TAG in record["stamps"]:
+            new[UID_TAG] = record["stamps"][UID_TAG]
+        state.write_record(path, {**record, "stamps": new})
 
     @contextlib.contextmanager
     def _stamp_lock(self, handle: str):
@@ -302,99 +314,144 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
+    def _root(self, *, create: bool = False) -> str:
+        return state.checked_root(self.state_root, self._dir_mode, create=create)
+
+    def _new_limits(self) -> dict[str, Any]:
+        """The limits a new sandbox gets; :raises SandboxTerminalError: for one this worker cannot enforce."""
+        return cgroups_mod.plan(self._resolved(), self._cgroups(), root_worker=self._drops_root)
+
     def _provision(self, request: ProvisionRequest) -> str:
         self._bwrap()
+        for tool in driver.TOOLS:
+            self._tool(tool)
+        limits = self._new_limits()
+        self._leases()  # a bad uid_range is refused before anything is made
         root = self._root(create=True)
         if self._drops_root:
-            self._check_reachable(root)
-        try:
-            self.gc_expired()
-        except Exception:
-            log.warning("Could not sweep expired sandboxes under %s", root, exc_info=True)
+            state.check_reachable(root)
+        report = self._sweep(full=False)
+        if report.failed:
+            log.warning("Could not remove %d sandbox(es) under %s: %s", len(report.failed), root, report.failed)
         handle = request.name
-        path = os.path.join(root, handle)
-        os.mkdir(path, self._dir_mode)
         try:
-            for sub in ("workspace", "tmp"):
-                os.mkdir(os.path.join(path, sub), 0o700)
-                if self._drops_root:
-                    os.chown(os.path.join(path, sub), self.sandbox_uid, self.sandbox_uid)
-            driver.write_json(os.path.join(path, _ENV), dict(request.spec.env or {}))
-            driver.write_json(os.path.join(path, _STAMPS), dict(request.stamps))
-            if not self._probed:
-                # Once per hook: prove bubblewrap can build this sandbox here, so a worker without
-                # user namespaces fails at create with bwrap's reason rather than at the first command.
+            with state.building(root, handle, 0o700) as staging:
+                self._fill(staging, handle, request, limits)
+        except OSError as err:
+            raise SandboxTerminalError(f"Could not provision a sandbox under {root}: {err}") from err
+        if not self._probed:
+            # Once per hook: prove bubblewrap can build this sandbox here, so a worker without user
+            # namespaces fails at create with bwrap's reason rather than at the first command.
+            try:
                 probe = self._script(handle, "true", timeout=60)
-                if not probe.ok:
-                    raise SandboxTerminalError(
-                        f"A new sandbox could not run a command on this worker: {probe.stderr.strip()}"
-                    )
-                self._probed = True
-        except BaseException:
-            driver.remove_tree(path)
-            raise
-        log.info("Sandbox %s lives in %s until %s", handle, path, time.ctime(request.expires_at))
+            except BaseException:
+                self._destroy(handle)
+                raise
+            if not probe.ok:
+                self._destroy(handle)
+                raise SandboxTerminalError(f"A new sandbox could not run a command on this worker: {probe.stderr}")
+            self._probed = True
+        log.info("Sandbox %s lives in %s until %s", handle, os.path.join(root, handle), time.ctime(request.expires_at))
         return handle
 
-    def _destroy(self, handle: str) -> None:
-        path = os.path.join(self._root(), handle)
-        if not os.path.lexists(path):
-            return
-        driver.kill_marked(path)
-        driver.remove_tree(path)
+    def _fill(self, staging: str, handle: str, request: ProvisionRequest, limits: Mapping[str, Any]) -> None:
+        """Make the sandbox's user, box, cgroup and state in its ``.creating-`` directory."""
+        owner = os.path.join(os.path.dirname(staging), handle)
+        leases = self._leases()
+        uid = leases.lease(owner) if leases is not None else os.getuid()
+        cgroups = self._cgroups() if limits["cgroup"] else None
+        try:
+            os.chown(staging, uid, uid)  # the sandbox's own, 0700: no other user but root gets in
+            box = state.box_path(staging, limits)
+            if box != staging:
+                os.mkdir(box, 0o700)
+                state.mount_box(box, size_bytes=limits["disk_bytes"], uid=uid, gid=uid)
+            for directory in (os.path.join(box, "workspace"), os.path.join(box, "tmp")):
+                os.mkdir(directory, 0o700)
+                os.chown(directory, uid, uid)
+            if cgroups is not None:
+                cgroups.create(handle, cgroups_mod.SandboxLimits.of(limits))
+            stamps = {**request.stamps, UID_TAG: str(uid)}
+            state.write_record(staging, {"stamps": stamps, "env": dict(request.spec.env or {}), "limits": dict(limits)})
+        except BaseException:
+            if cgroups is not None:
+                cgroups.remove(handle)
+            if leases is not None:
+                state.remove_sandbox_dir(staging)  # nothing of its user outlives the lease
+                leases.release(uid, owner)
+            raise
 
-    def gc_expired(self) -> list[str]:
-        """Remove every sandbox under the state root whose lifetime has run out; return their handles."""
+    def _destroy(self, handle: str) -> None:
         root = self._root()
-        removed: list[str] = []
-        if not os.path.isdir(root):
-            return removed
+        trash = state.mark_destroyed(root, handle)
+        if trash is not None:
+            self._teardown(handle, trash, wait=True)
+
+    def _teardown(self, handle: str, path: str, *, wait: bool) -> bool:
+        """
+        Finish off a sandbox under its ``.destroyed-`` or ``.creating-`` name: kill what runs, remove
+        its cgroup, its files (the workspace last) and release its user id. False if another live
+        worker holds it (``wait=False``), or it is gone.
+        """
+        root = os.path.dirname(path)
+        with state.claim(path, wait=wait) as got:
+            if not got:
+                return False
+            uid = state.recorded_uid(path)
+            cgroups = self._cgroups()
+            if cgroups is not None:
+                cgroups.remove(handle)
+            driver.kill_marked(path, match=os.path.join(root, handle) + "/")
+            state.remove_sandbox_dir(path)
+            leases = self._leases()
+            if leases is not None and uid is not None:
+                leases.release(uid, os.path.join(root, handle))
+        return True
+
+    def gc_expired(self) -> SweepReport:
+        """
+        Remove every sandbox under the state root whose lifetime has run out, and what workers
+        killed during a create or destroy left behind; free user ids no sandbox holds any more.
+
+        Keeps going past a sandbox it cannot remove (and logs it).
+
+        :returns: a :class:`SweepReport`: ``removed`` handles, ``failed`` handle -> reason.
+        """
+        return self._sweep(full=True)
+
+    def _sweep(self, *, full: bool) -> SweepReport:
+        root = self._root()
+        report = SweepReport()
         now = time.time()
-        for entry in os.listdir(root):
-            if not self.handle_pattern.fullmatch(entry):
-                continue
+        for kind, handle, path in state.classify(root):
             try:
-                with open(os.path.join(root, entry, _STAMPS), encoding="utf-8") as f:
-                    expires = expiry_of(json.load(f))
-            except (OSError, ValueError):
-                continue
-            if expires is not None and expires <= now:
-                self.destroy(entry)
-                removed.append(entry)
-                log.info("Removed expired sandbox %s", entry)
-        return removed
+                if kind == "sandbox":
+                    if not state.expired(path, now):
+                        continue
+                    self.destroy(handle)
+                elif kind == "creating" and not state.settled(path, now):
+                    continue
+                elif not self._teardown(handle, path, wait=False):
+                    continue
+                report.removed.append(handle)
+                log.info("Removed %s sandbox %s", "expired" if kind == "sandbox" else f"{kind}-interrupted", handle)
+            except Exception as err:  # keep sweeping: one sandbox must not shelter the others
+                report.failed[handle] = f"{type(err).__name__}: {err}"
+                log.warning("Could not remove sandbox %s under %s", handle, root, exc_info=True)
+        cgroups = self._cgroups() if full else None
+        if cgroups is not None:
+            cgroups.remove_parents()
+        leases = self._leases()
+        if leases is not None and (full or now - self._leases_swept > _LEASE_SWEEP_EVERY):
+            self._leases_swept = now
+            leases.sweep(state.abandoned)
+        return report
 
     # -- running ---------------------------------------------------------------------------------------
 
-    def _argv(self, path: str, network: bool, env: Mapping[str, str], status_fd: int, max_file_bytes: int | None):
-        settings = self._resolved()
-        args = driver.bwrap_argv(
-            self._bwrap(),
-            path=path,
-            workdir=self.workdir,
-            image=settings["image"],
-            network=network,
-            env=env,
-            status_fd=status_fd,
-        )
-        file_limit = min(x for x in (max_file_bytes, settings["max_file_bytes"], 2**62) if x)
-        limits = {
-            "cpu": settings["cpu_seconds"],
-            "as": settings["memory_bytes"],
-            "nproc": settings["max_processes"],
-            "fsize": file_limit if file_limit < 2**62 else None,
-        }
-        try:
-            return driver.prlimit_argv(limits) + args
-        except FileNotFoundError:
-            raise SandboxTerminalError(
-                "Resource limits need util-linux's prlimit on the worker; install util-linux or drop the limits."
-            ) from None
-
-    def _identity(self) -> dict[str, Any]:
-        if not self._drops_root:
-            return {}
-        return {"user": self.sandbox_uid, "group": self.sandbox_uid, "extra_groups": []}
+    def _confinement(self, handle: str, limits: Mapping[str, Any], max_file_bytes: int | None):
+        """The cgroup (or None) and the rlimits one command of the sandbox runs under."""
+        return cgroups_mod.confinement(handle, limits, self._cgroups(), max_file_bytes)
 
     def _exec(
         self,
@@ -413,55 +470,58 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
         descriptor ``stdout_fd`` (the worker never reads it).
         """
         path = self._dir(handle)
-        network = '"block_network":false' in self.read_tags(handle).get(NETWORK_TAG, "")
-        with open(os.path.join(path, _ENV), encoding="utf-8") as f:
-            env = json.load(f)
-        status_r, status_w = os.pipe()
+        record = state.read_record(path)
+        tags, limits = record["stamps"], record["limits"]
+        cgroups, rlimits = self._confinement(handle, limits, max_file_bytes)
+        network = '"block_network":false' in tags.get(NETWORK_TAG, "")
+        argv_bwrap = driver.bwrap_argv(
+            self._bwrap(),
+            box=state.box_path(path, limits),
+            workdir=self.workdir,
+            binds=self._system_binds(network),
+            network=network,
+            shm_bytes=int(limits.get("shm_bytes") or self.settings["shm_bytes"].default),
+        )
+        ooms = cgroups.oom_kills(handle) if cgroups is not None and limits.get("memory_bytes") else None
+        uid = int(tags.get(UID_TAG, os.getuid()))
+        placement = cgroups.placement(handle) if cgroups is not None else None
         try:
-            args = self._argv(path, network, env, status_w, max_file_bytes) + ["--", *argv]
-            proc = subprocess.Popen(
-                args,
-                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                stdout=subprocess.PIPE if stdout_fd is None else stdout_fd,
-                stderr=subprocess.PIPE,
-                pass_fds=(status_w,),
-                start_new_session=True,
-                env=driver.BWRAP_ENV,
-                **self._identity(),
+            started = driver.start(
+                {name: self._tool(name) for name in driver.TOOLS},
+                argv_bwrap,
+                argv,
+                env={**driver.base_env(self.workdir), **record["env"]},
+                rlimits=rlimits,
+                uid=uid if self._drops_root else None,
+                placement=placement,
+                join_cgroup=(lambda pid: cgroups.join(handle, pid)) if cgroups and not placement else None,
+                popen_kwargs={
+                    "stdin": subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                    "stdout": subprocess.PIPE if stdout_fd is None else stdout_fd,
+                    "env": driver.BWRAP_ENV,
+                },
             )
         except OSError as err:
-            os.close(status_r)
-            raise SandboxTerminalError(f"Could not start bubblewrap: {err}") from err
-        finally:
-            os.close(status_w)
-        marker = os.path.join(path, f"run-{proc.pid}")
-        try:
-            open(marker, "w").close()
-        except OSError:
-            # Destroyed between the checks above and now: nothing may run in a removed sandbox.
-            driver.kill_group(proc.pid)
-        readers = {proc.stderr: driver.bytes_reader(output.stderr)}
-        if proc.stdout is not None:
-            readers[proc.stdout] = driver.bytes_reader(output.stdout)
-        feeder = driver.feed(proc.stdin, stdin) if stdin is not None and proc.stdin is not None else None
-        try:
-            timed_out = driver.pump(proc, readers, timeout)
-        except BaseException:
-            driver.kill_group(proc.pid)
-            proc.wait()
-            raise
-        finally:
-            if feeder is not None:
-                feeder.join(timeout=10)
-            with contextlib.suppress(OSError):
-                os.unlink(marker)
-            status = driver.read_status(status_r)
+            raise SandboxTerminalError(f"Could not start bubblewrap in sandbox {handle}: {err}") from err
+        outcome = self._follow(handle, path, started, output, stdin, timeout, has_cgroup=cgroups is not None)
+        if ooms is not None and not outcome.timed_out and cgroups.oom_kills(handle) > ooms:
+            output.stderr(
+                f"\n[sandbox] the kernel killed a process: the sandbox reached its memory limit "
+                f"(memory_bytes={limits['memory_bytes']}).\n"
+            )
+        return outcome
+
+    def _follow(self, handle, path, started: driver.Started, output: OutputSink, stdin, timeout, *, has_cgroup: bool):
+        """Stream a started command's output until it ends or ``timeout`` passes; how did it end?"""
+        timed_out, status = driver.follow(
+            started, output.stdout, output.stderr, stdin, timeout, marker_dir=None if has_cgroup else path
+        )
         if not os.path.isdir(path):  # destroyed while the command ran, however far bwrap had got
             return RunOutcome(exit_code=-1, timed_out=timed_out, sandbox_terminated=True)
         if not timed_out and "child-pid" not in status:
-            message = output.err.text().strip() or f"bwrap exited with status {proc.returncode}"
+            message = output.err.text().strip() or f"bwrap exited with status {started.proc.returncode}"
             raise SandboxTerminalError(f"bubblewrap could not set up the sandbox on this worker: {message}")
-        exit_code = status.get("exit-code", proc.returncode)
+        exit_code = status.get("exit-code", started.proc.returncode)
         return RunOutcome(exit_code=int(exit_code) if isinstance(exit_code, int) else -1, timed_out=timed_out)
 
     def _run(self, handle: str, command: str, *, timeout: float, output: OutputSink) -> RunOutcome:
@@ -578,6 +638,19 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
 
 #: The guide's name for this backend.
 LocalSandboxBackend = LocalSandboxHook
+
+
+def _checked(value: Any, check: Callable[[Any], Any]) -> Any:
+    """A setting of a shape its table cannot say, checked: :raises SandboxTerminalError: saying what to fix."""
+    try:
+        return check(value)
+    except ValueError as err:
+        raise SandboxTerminalError(f"{err} Fix the connection's extra, or pass the setting to the hook.") from err
+
+
+@functools.cache
+def _which(name: str) -> str | None:
+    return shutil.which(name, path=driver.BWRAP_ENV["PATH"])
 
 
 def _check_workdir(workdir: Any) -> str:

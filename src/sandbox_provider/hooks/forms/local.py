@@ -6,8 +6,11 @@ from sandbox_provider.sandbox.settings import ConnectionForm, Setting, SettingsT
 
 DEFAULT_SANDBOX_TIMEOUT = 3600.0
 DEFAULT_MAX_PROCESSES = 1024
-#: The user a root worker runs sandboxes as.
-DEFAULT_SANDBOX_UID = 65534
+#: /dev/shm of each command, in bytes (Docker's default).
+DEFAULT_SHM_BYTES = 64 * 1024 * 1024
+#: The host user ids a root worker leases to its sandboxes (see hooks/_local_ids.py).
+DEFAULT_UID_RANGE = "1900000000-1900065535"
+DEFAULT_CGROUP_PARENT = "airflow-sandbox"
 _BYTES: dict = {"kind": int, "minimum": 1, "unit": "bytes"}
 
 SETTINGS = SettingsTable(
@@ -22,8 +25,8 @@ SETTINGS = SettingsTable(
         str,
         label="Root filesystem directory",
         help="A directory on the worker used, read-only, as the sandbox's root instead of the host's system "
-        "directories (for example one made with debootstrap). Default: the host's /usr, /bin, /lib* and a few /etc "
-        "entries.",
+        "directories (for example one made with debootstrap); on a root worker every user must be able to read it. "
+        "Default: the host's /usr, /bin, /lib* and a few /etc entries.",
     ),
     Setting(
         "sandbox_timeout",
@@ -43,9 +46,20 @@ SETTINGS = SettingsTable(
         minimum=1,
     ),
     Setting(
+        "cpu_limit",
+        float,
+        label="CPU share (CPUs)",
+        help="CPU time the whole sandbox may use per second of wall-clock time, in CPUs (0.5 = half a core; "
+        "cgroup cpu.max). Needs a writable cgroup hierarchy: refused without one. Default: no limit.",
+        unit="CPUs",
+        minimum=0.01,
+    ),
+    Setting(
         "memory_bytes",
-        label="Address space per process (bytes)",
-        help="Virtual memory each process may map, in bytes (RLIMIT_AS). Default: no limit.",
+        label="Memory limit (bytes)",
+        help="Memory of the whole sandbox, in bytes: its processes, the files it keeps in /dev/shm and its tmpfs, "
+        "and its page cache (cgroup memory.max). Needs a writable cgroup hierarchy: refused without one. "
+        "Default: no limit.",
         **_BYTES,
     ),
     Setting(
@@ -53,7 +67,8 @@ SETTINGS = SettingsTable(
         int,
         DEFAULT_MAX_PROCESSES,
         label="Process limit",
-        help="Processes the sandbox's user may have on the host at once (RLIMIT_NPROC).",
+        help="Processes and threads the sandbox may have at once (cgroup pids.max; without cgroups, RLIMIT_NPROC "
+        "of the sandbox's user).",
         minimum=1,
     ),
     Setting(
@@ -63,13 +78,43 @@ SETTINGS = SettingsTable(
         **_BYTES,
     ),
     Setting(
-        "sandbox_uid",
+        "disk_bytes",
+        label="Disk budget (bytes)",
+        help="Bytes the sandbox may store in its workspace and /tmp together: they live on a tmpfs of this size "
+        "(held in memory, counted in memory_bytes). Needs a root worker: refused otherwise. Default: no limit.",
+        **_BYTES,
+    ),
+    Setting(
+        "shm_bytes",
         int,
-        DEFAULT_SANDBOX_UID,
-        label="Sandbox user id (root workers)",
-        help="Numeric id of the unprivileged user a root worker runs sandboxes as; ignored when the worker is "
-        "not root. The root filesystem directory must be readable by it.",
-        minimum=1,
+        DEFAULT_SHM_BYTES,
+        label="/dev/shm size (bytes)",
+        help="Size of the sandbox's /dev/shm, a fresh tmpfs for each command, in bytes.",
+        unit="bytes",
+        minimum=4096,
+    ),
+    Setting(
+        "uid_range",
+        str,
+        DEFAULT_UID_RANGE,
+        label="Sandbox user ids (root workers)",
+        help="first-last: the host user ids a root worker leases to its sandboxes, one each. Give no account an "
+        "id in it; ignored when the worker is not root.",
+    ),
+    Setting(
+        "uid_lease_dir",
+        str,
+        label="User id lease directory (root workers)",
+        help="Where a root worker records which sandbox holds which id; one directory for every worker of the "
+        "host. Default: <tmp>/airflow-sandbox-uids.",
+    ),
+    Setting(
+        "cgroup_parent",
+        str,
+        DEFAULT_CGROUP_PARENT,
+        label="cgroup parent",
+        help="Where the sandboxes' cgroups go: a relative path lies under the worker's own cgroup, an absolute "
+        "one is a path from the hierarchy's root (a delegated cgroup on cgroup v2).",
     ),
 )
 UI_BEHAVIOUR = {"hidden-fields": ["host", "port", "schema", "login", "password"]}
