@@ -38,7 +38,7 @@ def _sample(setting: Setting, tmp_path):
     if setting.choices:
         return next(c for c in setting.choices if c != setting.default)
     if setting.kind is str:
-        if setting.name in ("image", "state_root") and setting.default is None:
+        if setting.name in ("image", "state_root", "uid_lease_dir") and setting.default is None:
             path = tmp_path / setting.name  # local: directories on the worker
             path.mkdir()
             return str(path)

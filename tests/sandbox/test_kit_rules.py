@@ -73,3 +73,12 @@ def test_attach_refuses_an_expired_sandbox_and_an_empty_holder(tmp_path):
         with pytest.raises(SandboxTerminalError, match="end of its lifetime; it is not attached"):
             hook.attach(handle, owner="d/r", holder="d/r/t2")
     assert "airflow_holder" not in hook.read_tags(handle)
+
+
+def test_local_paths_must_be_absolute(add_connection):
+    from sandbox_provider.hooks.local import LocalSandboxHook
+
+    for key in ("state_root", "image"):
+        conn = add_connection(f"rel_{key}", "sandbox_local", extra={key: "relative/dir"})
+        with pytest.raises(SandboxTerminalError, match=f"{key} must be an absolute path"):
+            LocalSandboxHook(sandbox_conn_id=conn).create()

@@ -200,6 +200,12 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
             settings["state_root"] = os.path.join(tmp, f"airflow-sandbox-{os.getuid()}")
         if settings["uid_lease_dir"] is None:
             settings["uid_lease_dir"] = os.path.join(tmp, "airflow-sandbox-uids")
+        for key in ("state_root", "uid_lease_dir", "image"):
+            if settings[key] is not None and not os.path.isabs(settings[key]):
+                raise SandboxTerminalError(
+                    f"{key} must be an absolute path on the worker, got {settings[key]!r}: a relative one would "
+                    "depend on the directory the task happens to start in."
+                )
         if settings["image"] is not None and not os.path.isdir(settings["image"]):
             raise SandboxTerminalError(f"image {settings['image']!r} is not a directory on this worker.")
         self._settings = settings
