@@ -16,6 +16,7 @@ Faults the tests drive, all on :class:`FakeGateway`:
   (stop relaying after n events and hold the stream until the client gives up), ``Unavailable(after=n)``
   (abort with UNAVAILABLE mid-stream), ``NoExit()`` (end the stream without an exit event);
 - ``on_exec``: callables run as an exec starts (to change the policy while a command runs);
+- ``on_create``: callables run on a new sandbox (to make the gateway apply another policy);
 - ``drift(name, change)``: change what ``GetSandboxConfig`` reports for a sandbox from now on;
 - ``vanish(name)``: the sandbox disappears behind the client's back (NOT_FOUND from then on);
 - ``ready_after``: how many ``GetSandbox`` polls a new sandbox stays PROVISIONING; ``phase``: force one.
@@ -107,6 +108,7 @@ class FakeGateway:
         self.ready_after = 1
         self.exec_faults: list[Stall | Unavailable | NoExit] = []
         self.on_exec: list[Callable[[FakeSandbox], None]] = []
+        self.on_create: list[Callable[[FakeSandbox], None]] = []
         self._failures: dict[str, list[tuple[grpc.StatusCode, str]]] = {}
         self._lock = threading.RLock()
         self._server: grpc.Server | None = None
@@ -216,6 +218,8 @@ class FakeGateway:
                 polls_left=self.ready_after,
             )
             sandbox.config = _effective_config(sandbox)
+            for hook in self.on_create:
+                hook(sandbox)
             self.sandboxes[(workspace, name)] = sandbox
         return sandbox
 

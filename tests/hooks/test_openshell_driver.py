@@ -117,13 +117,3 @@ def test_supervisor_owned_variables():
         "no_proxy",
         "openshell_x",
     ]
-
-
-def test_tls_files_exist_only_inside_the_block():
-    with driver.tls_files("CA", None, None) as tls:
-        path = tls.ca_path
-        assert path.read_text() == "CA" and oct(path.stat().st_mode & 0o777) == "0o600"
-        assert tls.cert_path is None
-    assert not path.exists()
-    with driver.tls_files(None, None, None) as nothing:
-        assert nothing is None

@@ -25,6 +25,7 @@ HOOK_CLASSES: tuple[str, ...] = (
     "sandbox_provider.hooks.islo:IsloSandboxHook",
     "sandbox_provider.hooks.boat:BoatSandboxHook",
     "sandbox_provider.hooks.opensandbox:OpenSandboxHook",
+    "sandbox_provider.hooks.openshell:OpenShellSandboxHook",
 )
 
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 import ipaddress
 import logging
 import math
-import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
+from sandbox_provider.sandbox.spec import hostname_allowlist
 
 INSTALL_HINT = "pip install 'airflow-provider-sandbox[modal]'"
 #: Longest pause between two attempts of a call that hit a transient API error, in seconds.
@@ -52,7 +52,6 @@ def modal_hook_class() -> type:
     return ModalHook
 
 
-_HOSTNAME_LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
 
 # Address ranges a sandbox can never reach through Modal's address allowlist, or must not try to:
 # private networks, loopback, link-local (cloud metadata), shared address space, multicast, reserved.
@@ -176,23 +175,10 @@ def cidr_allowlist(entries: Sequence[str]) -> list[str]:
 
 
 def domain_allowlist(entries: Sequence[str]) -> list[str]:
-    allowed: list[str] = []
-    for entry in entries:
-        host = entry.strip().lower().rstrip(".")
-        labels = host[2:].split(".") if host.startswith("*.") else host.split(".")
-        is_address = True
-        try:
-            ipaddress.ip_address(host)
-        except ValueError:
-            is_address = False
-        if is_address or len(labels) < 2 or not all(_HOSTNAME_LABEL.match(label) for label in labels):
-            raise SandboxTerminalError(
-                f"allow_egress_to entry {entry!r} is not a hostname. Give a bare name such as 'pypi.org' or "
-                "'*.example.com': no scheme, port, path or IP address (put addresses in allow_egress_to_cidrs)."
-            )
-        if host not in allowed:
-            allowed.append(host)
-    return allowed
+    try:
+        return hostname_allowlist(entries, hint=" (put addresses in allow_egress_to_cidrs)")
+    except ValueError as err:
+        raise SandboxTerminalError(str(err)) from None
 
 
 def transient_errors(modal: Any) -> tuple[type[BaseException], ...]:

@@ -7,11 +7,7 @@ this module imports without the ``openshell`` extra.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 #: Name of the one network rule the hook writes (hosts from ``allow_egress_to``, port 443).
@@ -136,8 +132,10 @@ def workspace_scope(workspace: str) -> Any:
     return datamodel_pb2.WorkspaceSelector(workspace=workspace)
 
 
-def exec_request(*, workspace: str, name: str, argv: Sequence[str], stdin: bytes, request_id: str) -> Any:
-    """An ``ExecSandboxRequest`` for ``argv`` with ``stdin``, outside any login shell."""
+def exec_request(*, workspace: str, name: str, argv: Sequence[str], stdin: bytes, workdir: str) -> Any:
+    """An ``ExecSandboxRequest`` for ``argv`` with ``stdin`` in ``workdir``, outside any login shell."""
+    import uuid
+
     from openshell._proto import openshell_pb2
 
     return openshell_pb2.ExecSandboxRequest(
@@ -145,8 +143,9 @@ def exec_request(*, workspace: str, name: str, argv: Sequence[str], stdin: bytes
         sandbox=name,
         command=list(argv),
         stdin=stdin,
+        workdir=workdir,
         no_login_shell=True,
-        request_id=request_id,
+        request_id=uuid.uuid4().hex,
     )
 
 
@@ -186,26 +185,3 @@ def describe(error: BaseException) -> str:
     code = status_code(error)
     details = error.details() if callable(getattr(error, "details", None)) else str(error)
     return f"{code.name}: {details}" if code is not None else str(error)
-
-
-@contextlib.contextmanager
-def tls_files(ca: str | None, cert: str | None, key: str | None) -> Iterator[Any]:
-    """
-    A ``TlsConfig`` over PEM text, or None when no TLS material is given. The SDK reads the files
-    while it builds the channel, so they live in a private directory only for the block.
-    """
-    if not (ca or cert or key):
-        yield None
-        return
-    from openshell import TlsConfig
-
-    with tempfile.TemporaryDirectory(prefix="airflow-openshell-tls-") as folder:
-        paths = {}
-        for label, text in (("ca", ca), ("cert", cert), ("key", key)):
-            if text:
-                path = Path(folder) / f"{label}.pem"
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "w") as handle:
-                    handle.write(text)
-                paths[label] = path
-        yield TlsConfig(ca_path=paths.get("ca"), cert_path=paths.get("cert"), key_path=paths.get("key"))

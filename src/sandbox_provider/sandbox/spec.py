@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import posixpath
@@ -32,6 +33,7 @@ __all__ = [
     "trace_stamps",
     "decode_network_policy",
     "encode_network_policy",
+    "hostname_allowlist",
     "is_sandbox_handle",
     "new_sandbox_name",
 ]
@@ -241,6 +243,37 @@ def check_workdir(workdir: Any) -> str:
     if not isinstance(workdir, str) or not workdir.startswith("/") or "\0" in workdir:
         raise ValueError(f"workdir must be an absolute path such as '/workspace', got {workdir!r}.")
     return posixpath.normpath(workdir)
+
+
+_HOSTNAME_LABEL = re.compile(r"(?!-)[a-z0-9-]{1,63}(?<!-)")
+
+
+def hostname_allowlist(entries: Sequence[str], *, hint: str = "") -> list[str]:
+    """
+    The hostnames of an ``allow_egress_to`` list in canonical form: lowercased, without a trailing
+    dot, each once, in the order given. ``*.example.com`` (any subdomain) is a hostname too.
+
+    :param hint: words added to the error, such as where addresses go on this backend.
+    :raises ValueError: naming the first entry that is not a hostname (an address, a URL, a port, a
+        single label).
+    """
+    allowed: list[str] = []
+    for entry in entries:
+        host = entry.strip().lower().rstrip(".")
+        labels = host[2:].split(".") if host.startswith("*.") else host.split(".")
+        try:
+            ipaddress.ip_address(host)
+            is_address = True
+        except ValueError:
+            is_address = False
+        if is_address or len(labels) < 2 or not all(_HOSTNAME_LABEL.fullmatch(label) for label in labels):
+            raise ValueError(
+                f"allow_egress_to entry {entry!r} is not a hostname. Give a bare name such as 'pypi.org' or "
+                f"'*.example.com': no scheme, port, path or IP address{hint}."
+            )
+        if host not in allowed:
+            allowed.append(host)
+    return allowed
 
 
 def check_path(path: Any) -> str:
