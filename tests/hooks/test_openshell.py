@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 import time
 
 import grpc
 import pytest
+
+from conftest import requires_bwrap
 
 pytest.importorskip("openshell")
 
@@ -23,7 +24,7 @@ from sandbox_provider.hooks.openshell import OpenShellSandboxBackend, OpenShellS
 from sandbox_provider.sandbox import SandboxSpec  # noqa: E402
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError  # noqa: E402
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="the gateway double runs commands in bubblewrap")
+pytestmark = requires_bwrap
 
 CONN = "openshell_test"
 

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import shutil
 import time
 
 import grpc
 import pytest
+
+from conftest import requires_bwrap
 
 openshell = pytest.importorskip("openshell")
 
 from openshell._proto import datamodel_pb2, openshell_pb2, sandbox_pb2  # noqa: E402
 from openshell_gateway import FakeGateway, NoExit, Stall, Unavailable  # noqa: E402
 
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="needs bubblewrap")
+pytestmark = requires_bwrap
 
 NAME = "airflow-0123456789a"
 

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from guest_programs import guest_program
+from sandbox_provider.sandbox import guest
+from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 
 pytestmark = pytest.mark.skipif(
     not (Path("/proc/self/stat").exists() and shutil.which("setsid")), reason="needs a Linux /proc and setsid"
 )
 
-PROGRAM = guest_program("run_session.sh")
+PROGRAM = guest.program("run_session.sh")
 #: Longest any one call may take before the test calls it hung (never reached when things work).
 HANG = 60
 
@@ -231,3 +232,24 @@ class TestReservedStatuses:
         result = run("echo never", env={"PATH": str(bin_dir)})
         assert result.returncode == 127
         assert result.stderr.startswith(b"airflow-sandbox: setsid is missing")
+
+
+class TestHostSide:
+    def test_argv_runs_the_program_with_its_arguments(self, tmp_path):
+        argv = guest.run_session_argv(0.25, str(tmp_path), "")
+        assert argv[4:] == ["0.250", str(tmp_path), ""]
+        result = subprocess.run(argv, input=b"pwd", capture_output=True, timeout=HANG)
+        assert result.stdout.decode().strip() == str(tmp_path)
+
+    def test_reserved_statuses_become_errors(self, tmp_path):
+        missing = run("true", 30, str(tmp_path / "gone"))
+        with pytest.raises(SandboxError, match="could not start the command: cannot enter") as caught:
+            guest.check_run_session(missing.returncode, missing.stderr, "sb")
+        assert not isinstance(caught.value, SandboxTerminalError)
+        with pytest.raises(SandboxTerminalError, match="setsid"):
+            guest.check_run_session(127, b"airflow-sandbox: setsid is missing\n", "sb")
+
+    def test_a_command_of_its_own_exiting_125_or_127_is_just_a_status(self):
+        guest.check_run_session(125, b"some error of the command\n", "sb")
+        guest.check_run_session(127, b"sh: 1: nosuch: not found\n", "sb")
+        guest.check_run_session(1, b"airflow-sandbox: looks like a marker\n", "sb")

@@ -462,7 +462,7 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
         import grpc
 
         self._verify_policy(handle, "before a command")
-        argv = ["/bin/sh", "-c", guest.program("run_session.sh"), "airflow-run", f"{timeout:.3f}", self.workdir, ""]
+        argv = guest.run_session_argv(timeout, self.workdir)
         head = bytearray()
 
         def on_stderr(data: bytes) -> None:
@@ -497,9 +497,9 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
         elapsed = time.monotonic() - started
         if code is None:
             raise SandboxError(_MAYBE_RAN.format(handle=handle, why="the stream ended without an exit status"))
-        _raise_wrapper_failure(code, bytes(head), handle)
+        guest.check_run_session(code, bytes(head), handle)
         self._verify_policy(handle, "after a command")
-        return RunOutcome(exit_code=code, timed_out=code == 124 and elapsed >= timeout)
+        return RunOutcome(exit_code=code, timed_out=code == guest.RUN_TIMEOUT_STATUS and elapsed >= timeout)
 
     # -- files: raw bytes over the exec stream -------------------------------------------------------
 
@@ -620,18 +620,6 @@ _MAYBE_RAN = (
     "The connection to the OpenShell gateway broke while a command ran in sandbox {handle} ({why}), so it may or may "
     "not have run, and may have changed files. Check the sandbox's state before running it again."
 )
-
-
-def _raise_wrapper_failure(code: int, head: bytes, handle: str) -> None:
-    """Turn the session wrapper's reserved statuses (it never started the command) into errors."""
-    if code not in (125, 127) or not head.startswith(b"airflow-sandbox: "):
-        return
-    reason = head.split(b"\n", 1)[0].decode("utf-8", "replace").removeprefix("airflow-sandbox: ")
-    if code == 127:
-        raise SandboxTerminalError(
-            f"Sandbox {handle} cannot run commands: {reason}. Use an image with util-linux (setsid) and coreutils."
-        )
-    raise SandboxError(f"Sandbox {handle} could not start the command: {reason}.")
 
 
 def _endpoint(host: str, port: int | None, settings: dict[str, Any]) -> tuple[str, bool]:

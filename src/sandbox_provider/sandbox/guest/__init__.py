@@ -20,8 +20,12 @@ __all__ = [
     "MISSING_STATUS",
     "NOT_REGULAR_STATUS",
     "SIZE_MARK",
+    "RUN_SETUP_STATUS",
+    "RUN_TIMEOUT_STATUS",
     "TOO_LARGE_STATUS",
+    "check_run_session",
     "program",
+    "run_session_argv",
     "shell_command",
 ]
 
@@ -29,6 +33,10 @@ __all__ = [
 MISSING_STATUS, IS_DIR_STATUS, NOT_REGULAR_STATUS, TOO_LARGE_STATUS = 66, 67, 68, 69
 #: ``file.sh`` prints ``sandbox-size:<bytes>`` to standard error before it copies.
 SIZE_MARK = "sandbox-size:"
+#: Exit statuses of ``run_session.sh``: the deadline passed, the command was never started, no setsid.
+RUN_TIMEOUT_STATUS, RUN_SETUP_STATUS, RUN_NO_SETSID_STATUS = 124, 125, 127
+#: ``run_session.sh`` starts the one stderr line it writes when it cannot start the command with this.
+RUN_MARK = b"airflow-sandbox: "
 
 
 @functools.cache
@@ -55,3 +63,31 @@ def shell_command(name: str, *args: object) -> str:
     if any("\0" in w for w in words):
         raise ValueError("an argument of a guest program holds a NUL character")
     return " ".join(["sh", "-c", shlex.quote(program(name)), shlex.quote(name), *map(shlex.quote, words)])
+
+
+def run_session_argv(seconds: float, workdir: str, envfile: str = "") -> list[str]:
+    """
+    The argv that runs a command (sent on stdin) through ``run_session.sh``: in ``workdir``, with
+    ``envfile`` sourced first when given, killed with its whole session after ``seconds``.
+    """
+    return ["sh", "-c", program("run_session.sh"), "airflow-run", f"{seconds:.3f}", workdir, envfile]
+
+
+def check_run_session(code: int, stderr_head: bytes, handle: str) -> None:
+    """
+    Raise what a reserved ``run_session.sh`` status means: it never started the command.
+
+    :param stderr_head: the first bytes the command's stderr received (the wrapper's line, if any).
+    :raises SandboxTerminalError: when the image lacks ``setsid``, so no command can run.
+    :raises SandboxError: when staging failed (no temporary space, a missing working directory).
+    """
+    from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
+
+    if code not in (RUN_SETUP_STATUS, RUN_NO_SETSID_STATUS) or not stderr_head.startswith(RUN_MARK):
+        return
+    reason = stderr_head.split(b"\n", 1)[0][len(RUN_MARK) :].decode("utf-8", "replace")
+    if code == RUN_NO_SETSID_STATUS:
+        raise SandboxTerminalError(
+            f"Sandbox {handle} cannot run commands: {reason}. Use an image with util-linux (setsid) and coreutils."
+        )
+    raise SandboxError(f"Sandbox {handle} could not start the command: {reason}.")
