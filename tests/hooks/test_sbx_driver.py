@@ -71,3 +71,19 @@ def test_memory_bytes(text, size):
 def test_memory_bytes_refuses_what_is_not_a_size(text):
     with pytest.raises(ValueError, match="memory must be a size"):
         driver.memory_bytes(text)
+
+
+def test_stdin_can_be_a_stream_and_its_failure_is_raised():
+    import io
+
+    assert driver.run(["wc", "-c"], wall=30, stdin=io.BytesIO(b"x" * 200_000)).stdout.strip() == b"200000"
+
+    class Broken(io.RawIOBase):
+        def readable(self):
+            return True
+
+        def read(self, size=-1):
+            raise OSError("source went away")
+
+    with pytest.raises(OSError, match="source went away"):
+        driver.run(["cat"], wall=30, stdin=Broken())

@@ -26,6 +26,7 @@ HOOK_CLASSES: tuple[str, ...] = (
     "sandbox_provider.hooks.boat:BoatSandboxHook",
     "sandbox_provider.hooks.opensandbox:OpenSandboxHook",
     "sandbox_provider.hooks.openshell:OpenShellSandboxHook",
+    "sandbox_provider.hooks.sbx:SbxSandboxHook",
 )
 
 

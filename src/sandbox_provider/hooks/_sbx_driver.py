@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import IO
 
 _CHUNK = 64 * 1024
 _SIZE = re.compile(r"(?i)^\s*(\d+)\s*([bkmg]?)\s*$")
@@ -49,15 +50,15 @@ def memory_bytes(value: str) -> int:
 def stream(
     argv: Sequence[str],
     *,
-    stdin: bytes,
+    stdin: bytes | IO[bytes],
     wall: float,
     on_stdout: Callable[[bytes], None],
     on_stderr: Callable[[bytes], None],
     clock: Callable[[], float] = time.monotonic,
 ) -> int:
     """
-    Run ``argv`` with ``stdin``, passing its output to the callbacks (in this thread) as it arrives;
-    return its exit code.
+    Run ``argv`` with ``stdin`` (bytes, or a binary stream read in 64 KiB pieces), passing its output
+    to the callbacks (in this thread) as it arrives; return its exit code.
 
     :raises CliHung: when it has not finished and closed its output within ``wall`` seconds; it and
         its process group have been killed by then.
@@ -71,8 +72,9 @@ def stream(
         start_new_session=True,
     )
     chunks: queue.Queue = queue.Queue()
+    feed_errors: list[BaseException] = []
     threads = [
-        threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True),
+        threading.Thread(target=_feed, args=(proc.stdin, stdin, feed_errors), daemon=True),
         threading.Thread(target=_pump, args=(proc.stdout, on_stdout, chunks), daemon=True),
         threading.Thread(target=_pump, args=(proc.stderr, on_stderr, chunks), daemon=True),
     ]
@@ -95,9 +97,13 @@ def stream(
                 callback(data)
         left = deadline - clock()
         try:
-            return proc.wait(timeout=max(left, 0.01))
+            code = proc.wait(timeout=max(left, 0.01))
         except subprocess.TimeoutExpired:
             raise CliHung from None
+        threads[0].join(timeout=max(deadline - clock(), 0.01))
+        if feed_errors:
+            raise feed_errors[0]
+        return code
     except BaseException:
         _kill(proc)
         raise
@@ -114,9 +120,21 @@ def run(argv: Sequence[str], *, wall: float, stdin: bytes = b"") -> CliResult:
     return CliResult(code, b"".join(out), b"".join(err))
 
 
-def _feed(pipe, data: bytes) -> None:
+def _feed(pipe, data: bytes | IO[bytes], errors: list[BaseException]) -> None:
+    """Write ``data`` to the process; a failure to read a source stream is kept for the caller."""
     try:
-        pipe.write(data)
+        if isinstance(data, (bytes, bytearray)):
+            pipe.write(data)
+        else:
+            while True:
+                try:
+                    piece = data.read(_CHUNK)
+                except BaseException as err:  # noqa: BLE001 - re-raised by stream()
+                    errors.append(err)
+                    break
+                if not piece:
+                    break
+                pipe.write(piece)
     except (BrokenPipeError, ValueError, OSError):
         pass
     finally:
