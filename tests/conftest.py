@@ -21,6 +21,9 @@ import json  # noqa: E402
 
 import pytest  # noqa: E402
 
+#: Fixtures shared across test folders.
+pytest_plugins = ["scripted_model"]
+
 
 @pytest.fixture
 def add_connection(monkeypatch):

@@ -304,6 +304,15 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
             )
         return None
 
+    def describe_network(self, spec: SandboxSpec) -> str | None:
+        if not spec.allow_egress_to:
+            return None
+        hosts = ", ".join(hostname_allowlist(spec.allow_egress_to))
+        return (
+            f"The sandbox can reach only {hosts}, and only on port 443 (HTTPS); every other host and port fails, so "
+            "installing packages from elsewhere will not work."
+        )
+
     def _expected_hosts(self, handle: str) -> list[str]:
         hosts = self._hosts.get(handle)
         if hosts is None:

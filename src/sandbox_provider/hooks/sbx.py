@@ -211,6 +211,20 @@ class SbxSandboxHook(ShellFiles, SandboxHook):
             )
         return None
 
+    def describe_network(self, spec: SandboxSpec) -> str | None:
+        if not spec.block_network:
+            return (
+                "The sandbox's network access is whatever this machine's sbx policy allows, which may be nothing; "
+                "test before relying on it. Only HTTP and HTTPS leave a sandbox, through sbx's proxy."
+            )
+        if spec.allow_egress_to:
+            hosts = ", ".join(hostname_allowlist(spec.allow_egress_to))
+            return (
+                f"The sandbox can reach only {hosts}, over HTTP or HTTPS through sbx's proxy; every other destination "
+                "fails, so installing packages from elsewhere will not work."
+            )
+        return None
+
     # -- the CLI -------------------------------------------------------------------------------------
 
     def _binary(self) -> str:

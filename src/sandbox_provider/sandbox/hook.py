@@ -299,6 +299,14 @@ class SandboxHook(BaseHook):
         """A backend-specific reason to refuse ``spec``, phrased as what to change; None to accept."""
         return None
 
+    def describe_network(self, spec: SandboxSpec) -> str | None:
+        """
+        A sentence for an agent on what a sandbox made from ``spec`` can reach, when this backend
+        enforces something the generic wording would misstate (a port, a host-wide policy); None
+        for the generic one.
+        """
+        return None
+
     def _remaining_lifetime(self, handle: str) -> float | None:
         """Seconds the sandbox has left, or None when unknown. Default: what this hook learnt at create."""
         expires = self._known_expiry.get(handle)
