@@ -183,5 +183,6 @@ def status_code(error: BaseException) -> Any:
 
 def describe(error: BaseException) -> str:
     code = status_code(error)
-    details = error.details() if callable(getattr(error, "details", None)) else str(error)
+    details_of = getattr(error, "details", None)
+    details = details_of() if callable(details_of) else str(error)
     return f"{code.name}: {details}" if code is not None else str(error)

@@ -109,7 +109,8 @@ def stream(
         raise
     finally:
         for pipe in (proc.stdout, proc.stderr):
-            pipe.close()
+            if pipe is not None:
+                pipe.close()
 
 
 def run(argv: Sequence[str], *, wall: float, stdin: bytes = b"") -> CliResult:

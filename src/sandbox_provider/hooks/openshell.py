@@ -545,7 +545,7 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
         return code, err.decode("utf-8", "replace")
 
     def _copy_out(
-        self, handle: str, path: str, max_bytes: int, sink: Callable[[bytes], None], verb: str
+        self, handle: str, path: str, max_bytes: int, sink: Callable[[bytes], object], verb: str
     ) -> tuple[int, int]:
         """Stream the regular file ``path`` (at most ``max_bytes``) into ``sink``; return (reported size, bytes)."""
         handle = self.check_handle(handle)

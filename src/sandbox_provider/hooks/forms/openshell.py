@@ -7,7 +7,6 @@ from sandbox_provider.sandbox.settings import ConnectionForm, Setting, SettingsT
 DEFAULT_IMAGE = "python:3.12-slim"
 DEFAULT_WORKSPACE = "default"
 DEFAULT_SANDBOX_TIMEOUT = 3600.0
-_SECONDS = {"kind": float, "unit": "seconds"}
 
 SETTINGS = SettingsTable(
     Setting(
@@ -23,7 +22,8 @@ SETTINGS = SettingsTable(
     Setting("memory", str, "2Gi", label="Memory limit", help="Memory limit per sandbox, as a Kubernetes quantity."),
     Setting(
         "sandbox_timeout",
-        **_SECONDS,
+        float,
+        unit="seconds",
         default=DEFAULT_SANDBOX_TIMEOUT,
         minimum=1,
         label="Sandbox lifetime (seconds)",
@@ -32,7 +32,8 @@ SETTINGS = SettingsTable(
     ),
     Setting(
         "ready_timeout",
-        **_SECONDS,
+        float,
+        unit="seconds",
         default=120.0,
         minimum=1,
         label="Ready timeout (seconds)",
@@ -40,7 +41,8 @@ SETTINGS = SettingsTable(
     ),
     Setting(
         "request_timeout",
-        **_SECONDS,
+        float,
+        unit="seconds",
         default=30.0,
         minimum=0.1,
         label="Request timeout (seconds)",
@@ -48,7 +50,8 @@ SETTINGS = SettingsTable(
     ),
     Setting(
         "relay_grace",
-        **_SECONDS,
+        float,
+        unit="seconds",
         default=30.0,
         minimum=0.1,
         label="Relay grace (seconds)",
