@@ -346,3 +346,11 @@ class TestConnection:
         )
         with pytest.raises(SandboxTerminalError, match="os_bad_extra"):
             OpenShellSandboxHook(conn).create(spec=SandboxSpec())
+
+
+def test_the_toolset_note_names_port_443_for_a_host_list():
+    hook = OpenShellSandboxHook()
+    note = hook.describe_network(SandboxSpec(allow_egress_to=["PyPI.org"]))
+    assert "only pypi.org" in note and "port 443" in note
+    offline = hook.describe_network(SandboxSpec())
+    assert "no network access" in offline and "DNS" not in offline

@@ -250,3 +250,10 @@ def test_file_write_failure_is_recoverable(standin):
         assert not isinstance(caught.value, SandboxTerminalError)
     finally:
         hook.destroy(handle)
+
+
+def test_the_toolset_notes_say_what_the_host_policy_means():
+    hook = SbxSandboxHook(host_network_policy="deny-all")
+    assert "whatever this machine's sbx policy allows" in hook.describe_network(SandboxSpec(block_network=False))
+    assert "only pypi.org, over HTTP or HTTPS" in hook.describe_network(SandboxSpec(allow_egress_to=["pypi.org"]))
+    assert hook.describe_network(SandboxSpec()) is None

@@ -306,7 +306,12 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
 
     def describe_network(self, spec: SandboxSpec) -> str | None:
         if not spec.allow_egress_to:
-            return None
+            # Not "not even DNS": OpenShell's deny-all is enforced at its proxy, and name lookups
+            # have been reported to get through it.
+            return (
+                "The sandbox has no network access: connections to any host fail, so installing packages or "
+                "downloading anything will fail; work with what is already installed."
+            )
         hosts = ", ".join(hostname_allowlist(spec.allow_egress_to))
         return (
             f"The sandbox can reach only {hosts}, and only on port 443 (HTTPS); every other host and port fails, so "
