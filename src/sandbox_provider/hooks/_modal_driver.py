@@ -52,7 +52,6 @@ def modal_hook_class() -> type:
     return ModalHook
 
 
-
 # Address ranges a sandbox can never reach through Modal's address allowlist, or must not try to:
 # private networks, loopback, link-local (cloud metadata), shared address space, multicast, reserved.
 _UNREACHABLE_V4 = tuple(

@@ -40,7 +40,7 @@ from sandbox_provider.hooks import _openshell_driver as driver
 from sandbox_provider.hooks.forms.openshell import FORM
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
-from sandbox_provider.sandbox.files import ShellFiles, check_export_size, file_status_error, reported_size
+from sandbox_provider.sandbox.files import ShellFiles, check_export_size, checked_size
 from sandbox_provider.sandbox.hook import (
     FILE_OP_TIMEOUT,
     Capabilities,
@@ -49,7 +49,14 @@ from sandbox_provider.sandbox.hook import (
     RunOutcome,
     SandboxHook,
 )
-from sandbox_provider.sandbox.spec import EXPIRES_AT_TAG, SandboxSpec, check_byte_count, check_path, hostname_allowlist
+from sandbox_provider.sandbox.spec import (
+    EXPIRES_AT_TAG,
+    SandboxExecResult,
+    SandboxSpec,
+    check_byte_count,
+    check_path,
+    hostname_allowlist,
+)
 
 log = logging.getLogger(__name__)
 
@@ -569,14 +576,7 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
         argv = ["/bin/sh", "-c", guest.program("file.sh"), "file.sh", path, str(int(max_bytes)), "cat"]
         code, err = self._file_exec(handle, argv, what=f"{verb} {path!r}", on_stdout=on_stdout)
         self._verify_policy(handle, f"after {verb} {path!r}")
-        size = reported_size(err)
-        if code == guest.TOO_LARGE_STATUS:
-            raise SandboxFileTooLargeError(path, size or max_bytes + 1, max_bytes)
-        failure = file_status_error(code, path)
-        if failure is not None:
-            raise failure
-        if code != 0 or size is None:
-            raise SandboxError(f"Could not finish {verb} {path!r}: {(err.strip().splitlines() or ['no size'])[-1]}")
+        size = checked_size(SandboxExecResult(exit_code=code, stdout="", stderr=err), path, max_bytes, verb)
         return size, copied
 
     def read_file(self, handle: str, path: str, *, max_bytes: int) -> bytes:

@@ -43,7 +43,7 @@ from sandbox_provider.hooks import _sbx_driver as driver
 from sandbox_provider.hooks.forms.sbx import FORM
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
-from sandbox_provider.sandbox.files import ShellFiles, check_export_size, file_status_error, reported_size
+from sandbox_provider.sandbox.files import ShellFiles, check_export_size, checked_size, reported_size
 from sandbox_provider.sandbox.hook import (
     FILE_OP_TIMEOUT,
     Capabilities,
@@ -52,7 +52,13 @@ from sandbox_provider.sandbox.hook import (
     RunOutcome,
     SandboxHook,
 )
-from sandbox_provider.sandbox.spec import SandboxSpec, check_byte_count, check_path, hostname_allowlist
+from sandbox_provider.sandbox.spec import (
+    SandboxExecResult,
+    SandboxSpec,
+    check_byte_count,
+    check_path,
+    hostname_allowlist,
+)
 
 log = logging.getLogger(__name__)
 
@@ -434,14 +440,7 @@ class SbxSandboxHook(ShellFiles, SandboxHook):
 
         argv = ["sh", "-c", guest.program("file.sh"), "file.sh", path, str(int(max_bytes)), "cat"]
         code, err = self._file_exec(handle, argv, what=f"{verb} {path!r}", on_stdout=on_stdout)
-        size = reported_size(err)
-        if code == guest.TOO_LARGE_STATUS:
-            raise SandboxFileTooLargeError(path, size or max_bytes + 1, max_bytes)
-        failure = file_status_error(code, path)
-        if failure is not None:
-            raise failure
-        if code != 0 or size is None:
-            raise SandboxError(f"Could not finish {verb} {path!r}: {(err.strip().splitlines() or ['no size'])[-1]}")
+        size = checked_size(SandboxExecResult(exit_code=code, stdout="", stderr=err), path, max_bytes, verb)
         check_export_size(path, size, copied)
         return copied
 
