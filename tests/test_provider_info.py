@@ -86,5 +86,5 @@ def test_form_fields_and_the_settings_hooks_read_are_one_list():
         read = set(re.findall(r"settings\[[\"'](\w+)[\"']\]", source))
         read |= set(re.findall(r"_resolved\(\)(?:\[|\.get\()[\"'](\w+)[\"']", source))
         assert read, f"found no settings read in {module}"
-        assert read - {"host", "login", "password"} <= set(form.settings.names), read
+        assert read - {"host", "port", "login", "password"} <= set(form.settings.names), read
         assert set(form.settings.names) <= read, set(form.settings.names) - read

@@ -116,10 +116,14 @@ class FakeGateway:
 
     # -- serving --------------------------------------------------------------------------------
 
-    def start(self) -> FakeGateway:
+    def start(self, *, tls: tuple[bytes, bytes] | None = None) -> FakeGateway:
+        """Serve on loopback; with ``tls`` (a PEM key and certificate), over TLS."""
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
         openshell_pb2_grpc.add_OpenShellServicer_to_server(_Servicer(self), self._server)
-        port = self._server.add_insecure_port("127.0.0.1:0")
+        if tls is None:
+            port = self._server.add_insecure_port("127.0.0.1:0")
+        else:
+            port = self._server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([tls]))
         self._server.start()
         self.endpoint = f"127.0.0.1:{port}"
         return self

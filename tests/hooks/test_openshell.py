@@ -316,6 +316,31 @@ class TestConnection:
         finally:
             gateway.stop()
 
+    def test_tls_with_the_connections_ca_file(self, tmp_path, add_connection):
+        key, cert = _self_signed_for_loopback()
+        (tmp_path / "ca.pem").write_bytes(cert)
+        gateway = FakeGateway(tmp_path / "gw").start(tls=(key, cert))
+        try:
+            port = int(gateway.endpoint.split(":")[1])
+            extra = {"tls_ca_cert": str(tmp_path / "ca.pem")}
+            conn = add_connection("os_tls", "sandbox_openshell", host="127.0.0.1", port=port, extra=extra)
+            hook = OpenShellSandboxHook(conn)
+            handle = hook.create(spec=SandboxSpec())
+            assert run(hook, handle, "echo over tls").stdout == "over tls\n"
+            hook.destroy(handle)
+            plain = add_connection(
+                "os_plain", "sandbox_openshell", host="127.0.0.1", port=port, extra={"ready_timeout": 2}
+            )
+            with pytest.raises(SandboxTerminalError):
+                OpenShellSandboxHook(plain, request_timeout=2.0).create(spec=SandboxSpec())
+            missing = add_connection(
+                "os_missing", "sandbox_openshell", host="127.0.0.1", extra={"tls_ca_cert": "/nope.pem"}
+            )
+            with pytest.raises(SandboxTerminalError, match="do not exist on this worker"):
+                OpenShellSandboxHook(missing).create(spec=SandboxSpec())
+        finally:
+            gateway.stop()
+
     def test_without_a_connection_the_cli_registration_is_used(self, gateway, tmp_path, monkeypatch):
         registry = tmp_path / "xdg" / "openshell"
         (registry / "gateways" / "local").mkdir(parents=True)
@@ -354,3 +379,34 @@ def test_the_toolset_note_names_port_443_for_a_host_list():
     assert "only pypi.org" in note and "port 443" in note
     offline = hook.describe_network(SandboxSpec())
     assert "no network access" in offline and "DNS" not in offline
+
+
+def _self_signed_for_loopback() -> tuple[bytes, bytes]:
+    """A key and a self-signed certificate for 127.0.0.1, PEM."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fake-openshell-gateway")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    pem_key = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return pem_key, cert.public_bytes(serialization.Encoding.PEM)

@@ -232,8 +232,9 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
                     f"No OpenShell gateway to use: {err}. Give the connection {self.openshell_conn_id!r} a host, or "
                     "register a gateway with the openshell CLI on the worker (and pass gateway= to pick one)."
                 ) from None
-        endpoint, use_tls = _endpoint(settings["host"], settings["port"], settings)
-        files = {key: settings[key] for key in ("tls_ca_cert", "tls_client_cert", "tls_client_key")}
+        files = {"ca": settings["tls_ca_cert"], "cert": settings["tls_client_cert"], "key": settings["tls_client_key"]}
+        wants_tls = bool(settings["tls"]) or any(files.values())
+        endpoint, use_tls = _endpoint(settings["host"], settings["port"], wants_tls)
         tls = None
         if use_tls:
             from pathlib import Path
@@ -244,11 +245,7 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
                 raise SandboxTerminalError(
                     f"TLS files of connection {self.openshell_conn_id!r} do not exist on this worker: {missing}."
                 )
-            tls = openshell.TlsConfig(
-                ca_path=paths.get("tls_ca_cert"),
-                cert_path=paths.get("tls_client_cert"),
-                key_path=paths.get("tls_client_key"),
-            )
+            tls = openshell.TlsConfig(ca_path=paths.get("ca"), cert_path=paths.get("cert"), key_path=paths.get("key"))
         return openshell.SandboxClient(endpoint, tls=tls, bearer_token=settings["password"], timeout=timeout)
 
     def get_conn(self) -> Any:
@@ -636,11 +633,8 @@ _MAYBE_RAN = (
 )
 
 
-def _endpoint(host: str, port: int | None, settings: dict[str, Any]) -> tuple[str, bool]:
+def _endpoint(host: str, port: int | None, tls: bool) -> tuple[str, bool]:
     """``host:port`` for the gRPC channel and whether it uses TLS, from the connection's host and port."""
-    tls = bool(settings.get("tls")) or any(
-        settings.get(k) for k in ("tls_ca_cert", "tls_client_cert", "tls_client_key")
-    )
     if "://" in host:
         parts = urlsplit(host)
         tls = tls or parts.scheme == "https"
