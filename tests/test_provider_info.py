@@ -88,3 +88,13 @@ def test_form_fields_and_the_settings_hooks_read_are_one_list():
         assert read, f"found no settings read in {module}"
         assert read - {"host", "port", "login", "password"} <= set(form.settings.names), read
         assert set(form.settings.names) <= read, set(form.settings.names) - read
+
+
+def test_a_backend_that_reads_the_port_keeps_its_label(monkeypatch):
+    import sandbox_provider.get_provider_info as info
+
+    monkeypatch.setattr(info, "port_needed_by_test_button", lambda: True)
+    shown = info.ui_field_behaviour({"hidden-fields": ["schema"], "relabeling": {"port": "Gateway port"}})
+    assert shown["relabeling"]["port"] == "Gateway port"
+    hidden = info.ui_field_behaviour({"hidden-fields": ["port", "schema"]})
+    assert hidden["relabeling"]["port"] == info.PORT_FOR_TEST_BUTTON and "port" not in hidden["hidden-fields"]

@@ -34,11 +34,12 @@ def port_needed_by_test_button() -> bool:
 def ui_field_behaviour(behaviour: Mapping[str, Any]) -> dict[str, Any]:
     """
     A backend's standard form fields as Airflow gets them: the backend's own, and on an Airflow whose
-    Test button needs a port (see :data:`PORT_FOR_TEST_BUTTON`), the port shown, labelled and
-    with the placeholder ``0``.
+    Test button needs a port (see :data:`PORT_FOR_TEST_BUTTON`), a port the backend hides shown,
+    labelled and with the placeholder ``0``.
     """
     result = dict(behaviour)
-    if port_needed_by_test_button():
+    # A backend that reads the port (a gateway's, a server's) keeps its own label for it.
+    if port_needed_by_test_button() and "port" in result.get("hidden-fields", []):
         result["hidden-fields"] = [name for name in result.get("hidden-fields", []) if name != "port"]
         result["relabeling"] = {**result.get("relabeling", {}), "port": PORT_FOR_TEST_BUTTON}
         result["placeholders"] = {**result.get("placeholders", {}), "port": "0"}
