@@ -257,3 +257,10 @@ def test_the_toolset_notes_say_what_the_host_policy_means():
     assert "whatever this machine's sbx policy allows" in hook.describe_network(SandboxSpec(block_network=False))
     assert "only pypi.org, over HTTP or HTTPS" in hook.describe_network(SandboxSpec(allow_egress_to=["pypi.org"]))
     assert hook.describe_network(SandboxSpec()) is None
+
+
+def test_too_little_memory_in_the_connection_fails_before_create(standin, add_connection):
+    conn = add_connection("sbx_small", "sandbox_sbx", extra={"memory": "512m", "host_network_policy": "deny-all"})
+    with pytest.raises(SandboxTerminalError, match="at least 1 GiB"):
+        SbxSandboxHook(conn, sbx_path=standin.path).create(spec=SandboxSpec())
+    assert creates(standin) == []

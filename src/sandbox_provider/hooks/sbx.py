@@ -187,7 +187,6 @@ class SbxSandboxHook(ShellFiles, SandboxHook):
                     ) from None
             try:
                 settings = self.settings.resolve(self._args, extra, conn_id=self.sbx_conn_id)
-                _check_memory(settings["memory"], f"Connection {self.sbx_conn_id!r} extra 'memory'")
             except ValueError as err:
                 raise SandboxTerminalError(f"{err} Fix the extra or pass the setting to the hook.") from None
             self._settings_obj = settings
@@ -268,6 +267,10 @@ class SbxSandboxHook(ShellFiles, SandboxHook):
 
     def _provision(self, request: ProvisionRequest) -> str:
         settings = self._resolved()
+        try:
+            _check_memory(settings["memory"], f"Connection {self.sbx_conn_id!r} extra 'memory'")
+        except ValueError as err:
+            raise SandboxTerminalError(f"{err} Fix the extra or pass memory= to the hook.") from None
         name = request.name
         binary = self._binary()
         workspace = tempfile.mkdtemp(prefix=f"{name}-")

@@ -60,10 +60,23 @@ SETTINGS = SettingsTable(
     ),
     Setting("tls", bool, label="TLS", help="Use TLS with the system's trusted roots. Default: on with a CA file."),
     Setting(
-        "tls_ca_cert", str, label="TLS CA certificate (path)", help="CA file on the worker that signed the gateway."
+        "tls_ca_cert",
+        str,
+        label="TLS CA certificate (path)",
+        help="CA file on the worker that signed the gateway. Default: none.",
     ),
-    Setting("tls_client_cert", str, label="TLS client certificate (path)", help="Client certificate file, for mTLS."),
-    Setting("tls_client_key", str, label="TLS client key (path)", help="Client key file, with the certificate."),
+    Setting(
+        "tls_client_cert",
+        str,
+        label="TLS client certificate (path)",
+        help="Client certificate file, for mTLS. Default: none.",
+    ),
+    Setting(
+        "tls_client_key",
+        str,
+        label="TLS client key (path)",
+        help="Client key file, with the certificate. Default: none.",
+    ),
 )
 UI_BEHAVIOUR = {
     "hidden-fields": ["schema", "login"],
