@@ -34,5 +34,7 @@ class TestOpenShellContract(SandboxContract):
             "AIRFLOW_CONN_OPENSHELL_CONTRACT", f'{{"conn_type": "sandbox_openshell", "host": "{host}", "port": {port}}}'
         )
         monkeypatch.setattr(OpenShellSandboxHook, "poll_interval", 0.01)
-        yield OpenShellSandboxHook("openshell_contract", relay_grace=2.0)
+        hook = OpenShellSandboxHook("openshell_contract", relay_grace=2.0)
+        yield hook
+        hook.close()
         gateway.stop()

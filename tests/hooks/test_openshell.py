@@ -49,7 +49,9 @@ def connection(gateway, add_connection):
 
 @pytest.fixture
 def hook(connection):
-    return OpenShellSandboxHook(connection, relay_grace=1.0, request_timeout=10.0)
+    hook = OpenShellSandboxHook(connection, relay_grace=1.0, request_timeout=10.0)
+    yield hook
+    hook.close()
 
 
 @pytest.fixture
@@ -410,3 +412,10 @@ def _self_signed_for_loopback() -> tuple[bytes, bytes]:
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
     return pem_key, cert.public_bytes(serialization.Encoding.PEM)
+
+
+def test_close_releases_the_channel_and_a_later_call_opens_another(hook, sandbox):
+    first = hook.get_conn()
+    hook.close()
+    assert hook.get_conn() is not first
+    assert run(hook, sandbox, "echo again").stdout == "again\n"

@@ -248,6 +248,13 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
             tls = openshell.TlsConfig(ca_path=paths.get("ca"), cert_path=paths.get("cert"), key_path=paths.get("key"))
         return openshell.SandboxClient(endpoint, tls=tls, bearer_token=settings["password"], timeout=timeout)
 
+    def close(self) -> None:
+        """Release the gRPC channel, if one was opened; the hook opens a new one when used again."""
+        with self._lock:
+            client, self._client_obj = self._client_obj, None
+        if client is not None:
+            client.close()
+
     def get_conn(self) -> Any:
         """The ``openshell.SandboxClient`` this hook uses (made on first use)."""
         return self._client()
