@@ -117,3 +117,32 @@ def test_supervisor_owned_variables():
         "no_proxy",
         "openshell_x",
     ]
+
+
+def test_labels_carry_the_sweep_marker_expiry_and_a_label_safe_trace():
+    stamps = {
+        "airflow_expires_at": "1900000000",
+        "airflow_network": '{"block_network": true}',
+        "airflow_workdir": "/sandbox",
+        "airflow_dag_id": "my_dag",
+        "airflow_run_id": "manual__2026-10-27T21:17:09.931899+00:00",
+    }
+    labels = driver.labels(stamps, 1900000000.0)
+    assert labels["managed-by"] == "airflow-sandbox" and labels["airflow-expires-at"] == "1900000000"
+    assert labels["airflow-dag-id"] == "my_dag"
+    assert labels["airflow-run-id"] == "manual__2026-10-27T21_17_09.931899_00_00"
+    assert "airflow-network" not in labels and "airflow-workdir" not in labels
+
+
+@pytest.mark.parametrize(
+    ("host", "port", "tls", "expected"),
+    [
+        ("gw.example", None, True, ("gw.example:443", True)),
+        ("gw.example", 8080, False, ("gw.example:8080", False)),
+        ("gw.example:9000", None, False, ("gw.example:9000", False)),
+        ("https://gw.example", None, False, ("gw.example:443", True)),
+        ("http://127.0.0.1:5000", None, False, ("127.0.0.1:5000", False)),
+    ],
+)
+def test_endpoint(host, port, tls, expected):
+    assert driver.endpoint(host, port, tls) == expected

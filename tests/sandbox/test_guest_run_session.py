@@ -179,6 +179,22 @@ class TestSweep:
         assert (result.returncode, result.stdout) == (0, b"ok\n")
         assert [pid for pid in pids_in(pidfile) if alive(pid)] == []
 
+    def test_the_timer_does_not_outlive_a_quick_command(self):
+        for _ in range(5):
+            assert run("true", "297.25").returncode == 0
+        timers = []
+        for entry in Path("/proc").iterdir():
+            try:
+                if (
+                    entry.name.isdigit()
+                    and (entry / "cmdline").read_bytes() == b"sleep\x00297.25\x00"
+                    and alive(int(entry.name))
+                ):
+                    timers.append(int(entry.name))
+            except OSError:
+                continue
+        assert timers == []
+
     def test_the_command_runs_in_its_own_session(self):
         result = run("ps -o sid= -p $$; echo $$")
         sid, pid = result.stdout.split()

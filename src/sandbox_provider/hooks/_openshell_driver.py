@@ -7,9 +7,19 @@ this module imports without the ``openshell`` extra.
 
 from __future__ import annotations
 
+import re
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
+from sandbox_provider.sandbox.spec import EXPIRES_AT_TAG
+
+#: The label every sandbox of this backend carries; ``list_sandboxes`` selects on it.
+MANAGED_LABEL = ("managed-by", "airflow-sandbox")
+CREATED_LABEL = "airflow-created-at"
+EXPIRES_LABEL = "airflow-expires-at"
+_LABEL_VALUE = re.compile(r"[^A-Za-z0-9._-]+")
 #: Name of the one network rule the hook writes (hosts from ``allow_egress_to``, port 443).
 EGRESS_RULE = "airflow-egress"
 #: Every binary in the sandbox may use the egress rule: the hook restricts destinations, not programs.
@@ -186,3 +196,44 @@ def describe(error: BaseException) -> str:
     details_of = getattr(error, "details", None)
     details = details_of() if callable(details_of) else str(error)
     return f"{code.name}: {details}" if code is not None else str(error)
+
+
+def get_request(*, workspace: str, name: str) -> Any:
+    from openshell._proto import openshell_pb2
+
+    return openshell_pb2.GetSandboxRequest(workspace_scope=workspace_scope(workspace), name=name)
+
+
+def endpoint(host: str, port: int | None, tls: bool) -> tuple[str, bool]:
+    """``host:port`` for the gRPC channel and whether it uses TLS, from a connection's host and port."""
+    if "://" in host:
+        parts = urlsplit(host)
+        tls = tls or parts.scheme == "https"
+        host, port = parts.hostname or "", port or parts.port
+    elif host.count(":") == 1:
+        host, _, given = host.partition(":")
+        port = port or int(given)
+    return f"{host}:{port or (443 if tls else 80)}", tls
+
+
+def labels(stamps: Mapping[str, str], expires_at: float) -> dict[str, str]:
+    """
+    A new sandbox's labels: the sweep marker, creation and expiry times (Unix seconds), and the task
+    that made it, each value cut to what a label holds (63 letters, digits, ``.``, ``_``, ``-``).
+    """
+    found = {MANAGED_LABEL[0]: MANAGED_LABEL[1], CREATED_LABEL: str(int(time.time()))}
+    found[EXPIRES_LABEL] = stamps.get(EXPIRES_AT_TAG, str(int(expires_at)))
+    for key, value in stamps.items():
+        if key.startswith("airflow_") and key != EXPIRES_AT_TAG and not key.endswith(("_network", "_workdir")):
+            cleaned = _LABEL_VALUE.sub("_", value)[:63].strip("._-")
+            if cleaned:
+                found[key.replace("_", "-")] = cleaned
+    return found
+
+
+def number(value: str | None) -> float | None:
+    """A label's number, or None when it is missing or not one."""
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None

@@ -34,7 +34,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any, ClassVar
-from urllib.parse import urlsplit
 
 from sandbox_provider.hooks import _openshell_driver as driver
 from sandbox_provider.hooks.forms.openshell import FORM
@@ -50,7 +49,6 @@ from sandbox_provider.sandbox.hook import (
     SandboxHook,
 )
 from sandbox_provider.sandbox.spec import (
-    EXPIRES_AT_TAG,
     SandboxExecResult,
     SandboxSpec,
     check_byte_count,
@@ -62,13 +60,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["OpenShellSandboxBackend", "OpenShellSandboxHook", "OpenShellSandboxInfo"]
 
-#: The label every sandbox of this backend carries; :meth:`OpenShellSandboxHook.list_sandboxes` selects on it.
-MANAGED_LABEL = ("managed-by", "airflow-sandbox")
-CREATED_LABEL = "airflow-created-at"
-EXPIRES_LABEL = "airflow-expires-at"
 #: Raw bytes sent per exec when writing a file (well inside gRPC's 4 MiB message limit).
 WRITE_CHUNK_BYTES = 768 * 1024
-_LABEL_VALUE = re.compile(r"[^A-Za-z0-9._-]+")
 _NOT_READY = ("PROVISIONING", "STARTING", "UNSPECIFIED", "UNKNOWN")
 _ADVICE = (
     "OpenShell blocks all egress by default and can allow hostnames on port 443 (allow_egress_to), but every rule "
@@ -234,7 +227,7 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
                 ) from None
         files = {"ca": settings["tls_ca_cert"], "cert": settings["tls_client_cert"], "key": settings["tls_client_key"]}
         wants_tls = bool(settings["tls"]) or any(files.values())
-        endpoint, use_tls = _endpoint(settings["host"], settings["port"], wants_tls)
+        endpoint, use_tls = driver.endpoint(settings["host"], settings["port"], wants_tls)
         tls = None
         if use_tls:
             from pathlib import Path
@@ -335,7 +328,11 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
             # A sandbox made by another hook object: what it was created to reach is in its spec.
             timeout = self._resolved()["request_timeout"]
             sandbox = self._call(
-                "reading", handle, lambda c: c._stub.GetSandbox(_get_request(self, handle), timeout=timeout)
+                "reading",
+                handle,
+                lambda c: c._stub.GetSandbox(
+                    driver.get_request(workspace=self._workspace(), name=handle), timeout=timeout
+                ),
             )
             rule = sandbox.sandbox.spec.policy.network_policies.get(driver.EGRESS_RULE)
             hosts = [endpoint.host for endpoint in rule.endpoints] if rule is not None else []
@@ -380,7 +377,7 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
             policy=driver.sandbox_policy(hosts, self.workdir),
         )
         workspace = self._workspace()
-        labels = _labels(request)
+        labels = driver.labels(request.stamps, request.expires_at)
         self._call("creating", name, lambda c: c.create(workspace=workspace, spec=spec, name=name, labels=labels))
         self._hosts[name] = hosts
         try:
@@ -438,7 +435,7 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
 
         :raises SandboxTerminalError: if the gateway cannot be reached.
         """
-        selector = "=".join(MANAGED_LABEL)
+        selector = "=".join(driver.MANAGED_LABEL)
         refs = self._call(
             "listing", "(all)", lambda c: c.list_all(workspace=self._workspace(), label_selector=selector)
         )
@@ -447,8 +444,8 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
         return [
             OpenShellSandboxInfo(
                 handle=ref.name,
-                created_at=_number(ref.labels.get(CREATED_LABEL)),
-                expires_at=_number(ref.labels.get(EXPIRES_LABEL)),
+                created_at=driver.number(ref.labels.get(driver.CREATED_LABEL)),
+                expires_at=driver.number(ref.labels.get(driver.EXPIRES_LABEL)),
                 phase=openshell_pb2.SandboxPhase.Name(ref.phase).removeprefix("SANDBOX_PHASE_"),
             )
             for ref in refs
@@ -638,43 +635,6 @@ _MAYBE_RAN = (
     "The connection to the OpenShell gateway broke while a command ran in sandbox {handle} ({why}), so it may or may "
     "not have run, and may have changed files. Check the sandbox's state before running it again."
 )
-
-
-def _endpoint(host: str, port: int | None, tls: bool) -> tuple[str, bool]:
-    """``host:port`` for the gRPC channel and whether it uses TLS, from the connection's host and port."""
-    if "://" in host:
-        parts = urlsplit(host)
-        tls = tls or parts.scheme == "https"
-        host, port = parts.hostname or "", port or parts.port
-    elif host.count(":") == 1:
-        host, _, given = host.partition(":")
-        port = port or int(given)
-    return f"{host}:{port or (443 if tls else 80)}", tls
-
-
-def _labels(request: ProvisionRequest) -> dict[str, str]:
-    """The sandbox's labels: the sweep marker, creation and expiry times, and the task that made it."""
-    labels = {MANAGED_LABEL[0]: MANAGED_LABEL[1], CREATED_LABEL: str(int(time.time()))}
-    labels[EXPIRES_LABEL] = request.stamps.get(EXPIRES_AT_TAG, str(int(request.expires_at)))
-    for key, value in request.stamps.items():
-        if key.startswith("airflow_") and key not in (EXPIRES_AT_TAG,) and not key.endswith(("_network", "_workdir")):
-            cleaned = _LABEL_VALUE.sub("_", value)[:63].strip("._-")
-            if cleaned:
-                labels[key.replace("_", "-")] = cleaned
-    return labels
-
-
-def _get_request(hook: OpenShellSandboxHook, handle: str) -> Any:
-    from openshell._proto import openshell_pb2
-
-    return openshell_pb2.GetSandboxRequest(workspace_scope=driver.workspace_scope(hook._workspace()), name=handle)
-
-
-def _number(value: str | None) -> float | None:
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
 
 
 #: The hook under the name the public guide uses.

@@ -44,8 +44,10 @@ sid=""
 timer=""
 fired=0
 
-# Stop, then kill, every live process in session $sid or descended from one found, until a /proc
-# scan finds none (at most 50 rounds, so a fork bomb cannot keep the wrapper here forever).
+# Stop, then kill, every live process in session $sid, the processes named in $extra (the timer),
+# and every process descended from one found, until a /proc scan finds none (at most 50 rounds, so
+# a fork bomb cannot keep the wrapper here forever).
+extra=""
 sweep() {
   [ -n "$sid" ] || return 0
   round=0
@@ -62,8 +64,8 @@ sweep() {
         # shellcheck disable=SC2086
         set -- $stat
         [ "$1" = Z ] && continue
-        case $found in
-          *" $2 "*) ;;
+        case " $extra $found" in
+          *" $pid "* | *" $2 "*) ;;
           *) [ "$4" = "$sid" ] || continue ;;
         esac
         kill -s STOP "$pid" 2>/dev/null && found="$found$pid " && more=1
@@ -77,7 +79,8 @@ sweep() {
 }
 
 finish() {
-  [ -n "$timer" ] && kill -s TERM "$timer" 2>/dev/null
+  # The timer and its sleep go too, before this exits: nothing of this run is left behind.
+  extra=$timer
   sweep
   rm -rf "$stage"
   exit "$1"
