@@ -110,6 +110,9 @@ class FakeSandboxHook(ShellFiles, Attachable, SandboxHook):
         with self._lock:
             self.stamps[handle] = dict(tags)
 
+    def find_sandboxes(self, stamps: Mapping[str, str]) -> dict[str, dict[str, str]]:
+        return {h: dict(t) for h, t in self.stamps.items() if all(t.get(k) == v for k, v in stamps.items())}
+
     def _remaining_lifetime(self, handle: str) -> float | None:
         return float(self.read_tags(handle)["airflow_expires_at"]) - time.time()
 

@@ -280,11 +280,28 @@ def test_rendered_empty_handle_fails_before_anything_runs(hook):
     assert hook.created == []
 
 
-def test_bad_input_url_fails_staging_and_removes_the_sandbox(hook, tmp_path):
+def test_missing_input_file_fails_before_provisioning(hook, tmp_path):
     op = SandboxOperator(task_id="t", backend=hook, command="true", inputs={"x": (tmp_path / "missing").as_uri()})
-    with pytest.raises(SandboxTerminalError, match="Could not stage input"):
+    with pytest.raises(SandboxTerminalError, match=r"inputs\['x'\] is file://.*missing, which does not exist"):
         op.execute(make_context())
-    assert sandboxes(hook) == []
+    assert hook.created == [] and sandboxes(hook) == []
+
+
+def test_input_failing_while_staged_removes_the_sandbox(hook, tmp_path, monkeypatch):
+    source = tmp_path / "in.txt"
+    source.write_text("here at task start")
+    op = SandboxOperator(task_id="t", backend=hook, command="true", inputs={"x": source.as_uri()})
+    real_create = hook.create
+
+    def create_then_lose_the_input(*, spec=None):
+        handle = real_create(spec=spec)
+        source.unlink()  # gone between the check at task start and the staging
+        return handle
+
+    monkeypatch.setattr(hook, "create", create_then_lose_the_input)
+    with pytest.raises(SandboxTerminalError, match="does not exist"):
+        op.execute(make_context())
+    assert len(hook.created) == 1 and sandboxes(hook) == []
 
 
 # -- sharing a sandbox between tasks ----------------------------------------------------------------------------

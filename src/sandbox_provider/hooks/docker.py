@@ -919,6 +919,20 @@ class DockerSandboxHook(ShellFiles, Attachable, SandboxHook):
             result.append(DockerSandboxInfo(handle, found_owner, expires, str(item.get("State") or "")))
         return sorted(result, key=lambda info: info.handle)
 
+    def find_sandboxes(self, stamps: Mapping[str, str]) -> dict[str, dict[str, str]]:
+        """This provider's containers whose labels hold every item of ``stamps``: ``{handle: labels}``."""
+        labels = [SANDBOX_LABEL, *(f"{key}={value}" for key, value in stamps.items())]
+        try:
+            found = self._client().api.containers(all=True, filters={"label": labels})
+        except Exception as err:
+            raise self._engine_error(err, "listing sandboxes") from err
+        result = {}
+        for item in found:
+            tags = {str(k): str(v) for k, v in (item.get("Labels") or {}).items()}
+            if is_named_sandbox(tags.get(SANDBOX_LABEL, "")):
+                result[tags[SANDBOX_LABEL]] = tags
+        return result
+
     def remove_expired(
         self, *, owner: str | None = None, dag_id: str | None = None, now: float | None = None
     ) -> list[str]:

@@ -71,6 +71,8 @@ class Capabilities:
     :param egress_cidrs: ``allow_egress_to_cidrs`` (address-range allowlists).
     :param max_env_bytes: the most bytes of ``spec.env`` (names, values and one ``=`` and NUL each)
         the backend can pass; None for no limit of its own.
+    :param max_env_entries: the most entries of ``spec.env`` the backend can pass; None for no limit of
+        its own.
     :param max_command_seconds: the longest deadline a command can get; longer ones are cut to it.
     :param advice: a sentence added to every refusal: what a user of this backend can do instead.
     """
@@ -80,6 +82,7 @@ class Capabilities:
     egress_hosts: bool = False
     egress_cidrs: bool = False
     max_env_bytes: int | None = 128 * 1024
+    max_env_entries: int | None = None
     max_command_seconds: float | None = None
     advice: str = ""
 
@@ -359,6 +362,13 @@ class SandboxHook(BaseHook):
                 f"SandboxSpec.env holds {size} bytes, more than the {self.display_name} backend can pass "
                 f"({caps.max_env_bytes} bytes). Stage large values as files (files= or inputs=) and read them there."
             )
+        count = len(spec.env or {})
+        if caps.max_env_entries is not None and count > caps.max_env_entries:
+            raise SandboxTerminalError(
+                f"SandboxSpec.env holds {count} variables, more than the {self.display_name} backend can pass "
+                f"({caps.max_env_entries}). Put related values into one variable (as JSON, say) or into a file "
+                "(files=), and read them there."
+            )
         reason = self._refusal(spec)
         if reason:
             raise SandboxTerminalError(reason)
@@ -459,6 +469,17 @@ class SandboxHook(BaseHook):
         handle = self.check_handle(handle)
         self._destroy(handle)
         self._known_expiry.pop(handle, None)
+
+    def find_sandboxes(self, stamps: Mapping[str, str]) -> dict[str, dict[str, str]]:
+        """
+        This backend's sandboxes whose creation stamps hold every item of ``stamps``, as
+        ``{handle: its stamps}``. The session uses it, before provisioning, to end what earlier tries
+        of the same task instance left running (see :func:`~sandbox_provider.sandbox.spec.trace_stamps`).
+
+        :raises NotImplementedError: on a backend that cannot search its sandboxes by stamps (the
+            default); the session then logs that it could not look.
+        """
+        raise NotImplementedError(f"The {self.display_name} backend cannot look for sandboxes by their stamps.")
 
     # -- files: native, or ShellFiles ----------------------------------------------------------------
 

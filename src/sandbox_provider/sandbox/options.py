@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sandbox_provider.sandbox.spec import SandboxSpec, check_byte_count, dag_run_owner, is_sandbox_handle
+from sandbox_provider.sandbox.storage import duplicate_paths
 from sandbox_provider.sandbox.transfer import DEFAULT_MAX_EXPORT_BYTES, check_transfer_map
 
 __all__ = ["SessionOptions", "is_reference", "is_template"]
@@ -103,6 +104,9 @@ class SessionOptions:
         object.__setattr__(self, "files", check_transfer_map(self.files, "files", urls=False))
         object.__setattr__(self, "inputs", check_transfer_map(self.inputs, "inputs", urls=True, templated=templated))
         object.__setattr__(self, "exports", check_transfer_map(self.exports, "exports", urls=True, templated=templated))
+        clash = duplicate_paths((("files", self.files), ("inputs", self.inputs)))
+        if clash:
+            raise ValueError(clash)
         object.__setattr__(self, "input_conn_id", _check_conn_id(self.input_conn_id, "input_conn_id"))
         object.__setattr__(self, "export_conn_id", _check_conn_id(self.export_conn_id, "export_conn_id"))
         object.__setattr__(self, "max_export_bytes", int(check_byte_count(self.max_export_bytes, "max_export_bytes")))
@@ -151,12 +155,18 @@ class SessionOptions:
 
     def check_backend(self, hook: Any) -> None:
         """
-        Check what needs the backend but not a sandbox: attaching needs an attachable backend, and the
-        spec must be one it can enforce.
+        Check what needs the backend but not a sandbox: attaching needs an attachable backend, the spec
+        must be one it can enforce (network, the size and number of its env entries), and no two of
+        ``files`` and ``inputs`` may write one path once relative paths start at the backend's workdir.
 
-        :raises ValueError: for attach_to on a backend that cannot attach.
+        :raises ValueError: for attach_to on a backend that cannot attach, or two entries for one path.
         :raises SandboxTerminalError: for a spec the backend cannot enforce.
         """
+        # An attached sandbox may have another workdir (its stamps say); compare by name only then.
+        workdir = None if self.attach_mode else getattr(hook, "workdir", None)
+        clash = duplicate_paths((("files", self.files), ("inputs", self.inputs)), workdir)
+        if clash:
+            raise ValueError(clash)
         if self.attach_mode:
             if not hook.attachable:
                 raise ValueError(

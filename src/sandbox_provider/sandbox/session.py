@@ -18,26 +18,38 @@ from typing import Any
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 from sandbox_provider.sandbox.hook import OutputCallback, SandboxHook, check_command
 from sandbox_provider.sandbox.options import SessionOptions
+from sandbox_provider.sandbox.output import mask_text
 from sandbox_provider.sandbox.spec import (
+    DAG_ID_TAG,
+    MAP_INDEX_TAG,
+    OWNER_TAG,
+    RUN_ID_TAG,
+    TASK_ID_TAG,
+    TRY_NUMBER_TAG,
     AttachedSandbox,
     SandboxExecResult,
     check_byte_count,
     check_positive,
     dag_run_owner,
+    trace_stamps,
 )
+from sandbox_provider.sandbox.storage import check_input_source, open_storage_path
 from sandbox_provider.sandbox.transfer import (
     ExportRecord,
     export_files,
-    open_storage_path,
+    export_targets,
     stage_files,
     stage_inputs,
 )
+from sandbox_provider.sandbox.watch import SupervisorWatch, supervisor_pid
 
 log = logging.getLogger(__name__)
 
 __all__ = ["SandboxSession", "task_holder"]
 
 _RELEASE_ATTEMPTS = 3
+#: Characters of a command shown in the task log.
+_COMMAND_CHARS = 2000
 
 
 def task_holder(context: Mapping[str, Any]) -> str:
@@ -126,6 +138,8 @@ class SandboxSession:
         self._expires_at: float | None = None
         self._ended = False
         self._closed = False
+        self._storage_checked = False
+        self._watch: SupervisorWatch | None = None
         self.export_records: list[ExportRecord] = []
 
     # -- identity ------------------------------------------------------------------------------------
@@ -148,6 +162,10 @@ class SandboxSession:
         holder = self._holder or (task_holder(context) if context else owner)
         return owner, holder
 
+    def _trace(self) -> dict[str, str]:
+        """The stamps naming the running task instance and try; empty outside a task."""
+        return trace_stamps(self._context)
+
     # -- lifecycle -----------------------------------------------------------------------------------
 
     @property
@@ -162,18 +180,34 @@ class SandboxSession:
 
     def open(self) -> None:
         """
-        Check what the constructor could not, before provisioning: that a filesystem for each
-        export and input URL's scheme exists (and its connection resolves); then attach, in
-        attach mode, so a wrong owner or holder fails before any work.
+        Check what the constructor could not, before provisioning (:meth:`check_storage`); then
+        attach, in attach mode, so a wrong owner or holder fails before any work.
 
         :raises ValueError: naming the entry to fix.
+        :raises SandboxTerminalError: for a destination or input the transfer cannot use.
         """
-        for path, url in self.exports.items():
-            open_storage_path(url, self.export_conn_id, f"exports[{path!r}]")
-        for path, url in self.inputs.items():
-            open_storage_path(url, self.input_conn_id, f"inputs[{path!r}]")
+        self.check_storage()
         if self.attach_mode:
             self.ensure()
+
+    def check_storage(self) -> None:
+        """
+        Check every export destination and input source on the worker's side, needing no sandbox: a
+        filesystem for each URL's scheme exists (and its connection resolves); no destination is a
+        directory, device, pipe or socket, or lies below a file, or is one file with another once symlinks
+        are followed; each ``file://`` input exists, is a regular file, and lies in ``[sandbox]
+        file_input_dirs`` when that is set. Runs once; :meth:`ensure` runs it if :meth:`open` did not.
+
+        :raises ValueError: naming the entry to fix.
+        :raises SandboxTerminalError: for a destination or input the transfer cannot use.
+        """
+        if self._storage_checked:
+            return
+        export_targets(self.exports, conn_id=self.export_conn_id)
+        for path, url in self.inputs.items():
+            what = f"inputs[{path!r}]"
+            check_input_source(open_storage_path(url, self.input_conn_id, what), url, what)
+        self._storage_checked = True
 
     def ensure(self) -> str:
         """
@@ -218,6 +252,8 @@ class SandboxSession:
                     left,
                 )
             else:
+                self.check_storage()
+                self._end_earlier_tries()
                 try:
                     handle = self.hook.create(spec=self.spec)
                 except SandboxTerminalError:
@@ -227,19 +263,113 @@ class SandboxSession:
                         f"Could not provision a sandbox on backend {self.hook.name!r}: {err}"
                     ) from err
                 self._handle = handle
-                log.info("Provisioned sandbox %s on backend %s", handle, self.hook.name)
+                self._log_provisioned(handle)
             if self._closed:
                 # Closed while provisioning (on_kill runs in the thread it interrupts): tear down
                 # what was just made, and let nothing run in it.
                 handle, self._handle = self._handle, None
                 self._teardown(handle)
                 raise SandboxTerminalError(f"The session was closed while sandbox {handle} was being provisioned.")
+            self._watch_supervisor()
             try:
                 stage_files(self.hook, self._handle, self.files)
                 stage_inputs(self.hook, self._handle, self.inputs, conn_id=self.input_conn_id)
             except SandboxError as err:
                 raise SandboxTerminalError(f"Could not stage the inputs of sandbox {self._handle}: {err}") from err
             return self._handle
+
+    def _log_provisioned(self, handle: str) -> None:
+        expires = self.hook._known_expiry.get(handle)
+        if expires is None:
+            log.info("Provisioned sandbox %s on backend %s", handle, self.hook.name)
+            return
+        log.info(
+            "Provisioned sandbox %s on backend %s; its lifetime ends in %.0fs, at %s",
+            handle,
+            self.hook.name,
+            max(0.0, expires - time.time()),
+            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(expires)),
+        )
+
+    def _end_earlier_tries(self) -> None:
+        """
+        End the sandboxes earlier tries of this task instance left running (a killed worker, a lost
+        supervisor), found by their creation stamps. Sandboxes that carry an owner are for other tasks
+        to attach to, and stay.
+        """
+        stamps = self._trace()
+        current = stamps.get(TRY_NUMBER_TAG, "")
+        wanted = {key: stamps[key] for key in (DAG_ID_TAG, RUN_ID_TAG, TASK_ID_TAG, MAP_INDEX_TAG) if key in stamps}
+        if not current.isdigit() or int(current) <= 1 or len(wanted) < 4:
+            return
+        try:
+            found = self.hook.find_sandboxes(wanted)
+        except NotImplementedError:
+            log.info(
+                "This is try %s; the %s backend cannot look for sandboxes earlier tries left running, so any stay "
+                "until their lifetime ends.",
+                current,
+                self.hook.name,
+            )
+            return
+        except Exception:
+            log.warning("Could not look for sandboxes earlier tries of this task left running", exc_info=True)
+            return
+        ended = 0
+        earlier_tries = {
+            handle: tags
+            for handle, tags in found.items()
+            if tags.get(TRY_NUMBER_TAG, "").isdigit() and int(tags[TRY_NUMBER_TAG]) < int(current)
+        }
+        for handle, tags in sorted(earlier_tries.items(), key=lambda item: (int(item[1][TRY_NUMBER_TAG]), item[0])):
+            earlier = tags[TRY_NUMBER_TAG]
+            if tags.get(OWNER_TAG):
+                log.info(
+                    "Leaving sandbox %s of try %s as it is: it carries owner %r, for later tasks to attach to.",
+                    handle,
+                    earlier,
+                    tags[OWNER_TAG],
+                )
+                continue
+            try:
+                self.hook.destroy(handle)
+            except Exception:
+                log.warning("Could not end sandbox %s, left running by try %s", handle, earlier, exc_info=True)
+                continue
+            ended += 1
+            log.info(
+                "Ended sandbox %s on backend %s, which try %s of this task left running",
+                handle,
+                self.hook.name,
+                earlier,
+            )
+        if not ended:
+            log.info(
+                "This is try %s; no earlier try of this task left a sandbox running on backend %s",
+                current,
+                self.hook.name,
+            )
+
+    def _watch_supervisor(self) -> None:
+        """End the sandbox if this task process loses its supervisor (see :mod:`~sandbox_provider.sandbox.watch`)."""
+        if self._watch is not None:
+            return
+        pid = supervisor_pid()
+        if pid is not None:
+            self._watch = SupervisorWatch(pid, self._supervisor_gone).start()
+
+    def _supervisor_gone(self) -> None:
+        handle = self._handle
+        log.warning(
+            "The task's supervisor (pid %s) exited; ending the work in sandbox %s",
+            self._watch and self._watch.pid,
+            handle,
+        )
+        if self.attach_mode:
+            # Another task's sandbox: never ended here. The command stops with the task process.
+            return
+        self.keep = False
+        self.close(succeeded=False)
 
     def remaining_lifetime(self) -> float | None:
         """Seconds left for an attached sandbox, by the local clock; None when unknown."""
@@ -264,9 +394,15 @@ class SandboxSession:
         check_byte_count(max_output_bytes, "max_output_bytes")
         check_command(command)
         handle = self.ensure()
+        shown = mask_text(command)
+        if len(shown) > _COMMAND_CHARS:
+            shown = shown[:_COMMAND_CHARS] + f" [... {len(shown) - _COMMAND_CHARS} more characters]"
+        log.info("Running in sandbox %s (timeout %gs): %s", handle, float(timeout), shown)
+        started = self._clock()
         result = self.hook.run_command(
             handle, command, timeout=float(timeout), max_output_bytes=int(max_output_bytes), on_output=on_output
         )
+        log.info("%s after %.1fs", _ending(result), self._clock() - started)
         if result.sandbox_terminated:
             with self._lock:
                 self._handle = None
@@ -302,6 +438,9 @@ class SandboxSession:
                 return self.export_records
             self._closed = True
             handle, self._handle = self._handle, None
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.stop()
         try:
             if succeeded and self.exports:
                 if handle is None:
@@ -310,7 +449,12 @@ class SandboxSession:
                         f"The run ended with no sandbox standing, so none of the files it was to export exist: {names}."
                     )
                 self.export_records = export_files(
-                    self.hook, handle, self.exports, conn_id=self.export_conn_id, max_bytes=self.max_export_bytes
+                    self.hook,
+                    handle,
+                    self.exports,
+                    conn_id=self.export_conn_id,
+                    max_bytes=self.max_export_bytes,
+                    stamps=self._trace(),
                 )
             return self.export_records
         finally:
@@ -322,7 +466,7 @@ class SandboxSession:
         if destroy:
             try:
                 self.hook.destroy(handle)
-                log.info("Destroyed sandbox %s on backend %s", handle, self.hook.name)
+                log.info("Destroyed sandbox %s on backend %s, with its files and processes", handle, self.hook.name)
             except Exception:
                 log.warning(
                     "Failed to destroy sandbox %s on backend %s; it may need manual cleanup",
@@ -380,3 +524,12 @@ class SandboxSession:
 
     async def alist_directory(self, path: str = ".") -> list[tuple[str, bool]]:
         return await asyncio.to_thread(self.list_directory, path)
+
+
+def _ending(result: SandboxExecResult) -> str:
+    """How a command ended, in a few words for the log."""
+    if result.sandbox_terminated:
+        return "The sandbox ended while the command ran"
+    if result.timed_out:
+        return "The command ran past its deadline and was killed"
+    return f"The command exited with status {result.exit_code}"
