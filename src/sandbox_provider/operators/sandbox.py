@@ -12,7 +12,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 from sandbox_provider.hooks import get_sandbox_hook
 from sandbox_provider.sandbox.hook import SandboxHook
 from sandbox_provider.sandbox.options import SessionOptions
-from sandbox_provider.sandbox.output import mask_stream, tail_text
+from sandbox_provider.sandbox.output import LineLog, mask_stream, tail_text
 from sandbox_provider.sandbox.session import SandboxSession
 from sandbox_provider.sandbox.spec import (
     SandboxExecResult,
@@ -63,6 +63,12 @@ class SandboxOperator(BaseOperator):
     The command runs through ``sh -c`` in the sandbox's working directory (``/workspace`` on the
     local backend). A non-zero exit fails the task with the tail of standard error, unless the
     status is listed in ``skip_on_exit_code``.
+
+    The task log follows the sandbox's life: where it was provisioned and until when, each file
+    staged in and exported (size, seconds), the command (masked), and its output line by line as it
+    arrives, ``[stdout] ...`` and ``[stderr] ...``, masked with Airflow's secret masker; then the
+    exit status, how long it ran, and what was destroyed. Lines already logged stay when the task is
+    killed. Only the tails (``max_output_bytes``) are kept in memory, for the XCom and a failure.
 
     Building the operator touches no connection: ``backend`` is resolved when the task runs.
 
@@ -224,6 +230,7 @@ class SandboxOperator(BaseOperator):
         session = self._new_session(context, files)
         self._session = session
         self._kept_handle: str | None = None
+        self._live = LineLog(self.log)
         succeeded = False
         try:
             session.open()
@@ -231,7 +238,12 @@ class SandboxOperator(BaseOperator):
             if command is None:
                 session.ensure()
             else:
-                result = session.run(command, timeout=self.timeout, max_output_bytes=self.max_output_bytes)
+                try:
+                    result = session.run(
+                        command, timeout=self.timeout, max_output_bytes=self.max_output_bytes, on_output=self._live
+                    )
+                finally:
+                    self._live.flush()
                 self._check_result(session, result)
             collected = self._collect(session, result)
             self._kept_handle = session.handle
@@ -249,12 +261,11 @@ class SandboxOperator(BaseOperator):
 
     def _check_result(self, session: SandboxSession, result: SandboxExecResult) -> None:
         handle = session.handle or "(ended)"
-        if result.stdout:
-            self.log.info("Output of the command in sandbox %s:\n%s", handle, result.stdout)
-        if result.stderr:
-            self.log.info("Standard error of the command in sandbox %s:\n%s", handle, result.stderr)
         if result.stdout_truncated or result.stderr_truncated:
-            self.log.info("Output was longer than max_output_bytes=%d; only its end is kept", self.max_output_bytes)
+            self.log.info(
+                "Output was longer than max_output_bytes=%d: the log above has all of it, the XCom only its end",
+                self.max_output_bytes,
+            )
         masked_stderr = mask_stream(result.stderr, cut=result.stderr_truncated).rstrip()
         stderr_tail = tail_text(masked_stderr, TAIL_CHARS) or "(no output on standard error)"
         if result.sandbox_terminated:
@@ -278,6 +289,9 @@ class SandboxOperator(BaseOperator):
         session = self._session
         if session is None:
             return
+        live = getattr(self, "_live", None)
+        if live is not None:
+            live.flush()
         handle = session.handle
         session.keep = False
         try:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import codecs
+import logging
 import threading
 from collections.abc import Callable, Iterable
 
 __all__ = [
+    "LineLog",
     "TailBuffer",
     "StreamDrain",
     "drop_head_bytes",
@@ -85,6 +88,59 @@ class StreamDrain(threading.Thread):
                 self._write(chunk.encode() if isinstance(chunk, str) else chunk)
         except BaseException as err:  # noqa: BLE001 - handed to the caller, which decides
             self.error = err
+
+
+class LineLog:
+    """
+    An ``on_output`` callback for :meth:`~sandbox_provider.sandbox.hook.SandboxHook.run_command` that
+    writes a command's output to ``logger`` line by line, as it arrives: for live task logs.
+
+    Each stream is decoded as UTF-8 as it comes (a character split between pieces stays whole; bad
+    bytes become U+FFFD), held only until its line ends, masked with Airflow's secret masker, and
+    logged at INFO as ``[stdout] <line>`` or ``[stderr] <line>``. A line longer than
+    ``max_line_chars`` is logged in pieces of that size, each after the first marked ``[stdout+]``,
+    so memory stays bounded whatever a command prints. Safe to call from several reader threads.
+
+    :param logger: where the lines go (the task's ``self.log``).
+    :param max_line_chars: the longest piece of a line held and logged at once, in characters.
+    """
+
+    def __init__(self, logger: logging.Logger | logging.LoggerAdapter, *, max_line_chars: int = 16 * 1024) -> None:
+        self._log = logger
+        self._max = max(1, int(max_line_chars))
+        self._lock = threading.Lock()
+        self._decoders = {s: codecs.getincrementaldecoder("utf-8")("replace") for s in ("stdout", "stderr")}
+        self._held = {"stdout": "", "stderr": ""}
+        self._continued = {"stdout": False, "stderr": False}
+
+    def __call__(self, stream: str, data: bytes) -> None:
+        if stream not in self._held:
+            return
+        with self._lock:
+            text = self._held[stream] + self._decoders[stream].decode(data)
+            *lines, rest = text.split("\n")
+            for line in lines:
+                self._emit(stream, line.removesuffix("\r"))
+                self._continued[stream] = False
+            while len(rest) > self._max:
+                self._emit(stream, rest[: self._max])
+                self._continued[stream] = True
+                rest = rest[self._max :]
+            self._held[stream] = rest
+
+    def flush(self) -> None:
+        """Log what is held of a last line that never ended (the command ended, or the task is killed)."""
+        with self._lock:
+            for stream, decoder in self._decoders.items():
+                rest = self._held[stream] + decoder.decode(b"", final=True)
+                self._held[stream] = ""
+                if rest:
+                    self._emit(stream, rest.removesuffix("\r"))
+                self._continued[stream] = False
+
+    def _emit(self, stream: str, line: str) -> None:
+        mark = f"[{stream}+]" if self._continued[stream] else f"[{stream}]"
+        self._log.info("%s %s", mark, mask_text(line))
 
 
 def tail_text(text: str, max_chars: int) -> str:
