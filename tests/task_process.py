@@ -1,0 +1,112 @@
+"""
+Run one try of one task the way a worker does: a supervisor process that forks the task process,
+relays its log into a log file, and reports to the Execution API (here the in-process one, over the
+test's own SQLite database). Tests start this as a subprocess, read the log file while the task runs,
+and SIGKILL the supervisor (this process) or the task process (its child) to see what survives.
+
+    python tests/task_process.py DAG_FILE DAG_ID TASK_ID RUN_ID TRY_NUMBER LOG_PATH
+
+``AIRFLOW_HOME`` must hold a migrated database and ``AIRFLOW__CORE__DAGS_FOLDER`` the Dag file's
+folder. ``LOG_PATH`` is relative to ``[logging] base_log_folder``. The exit status is the task's: 0
+when it succeeded. The task process's pid is written to ``LOG_PATH`` + ``.pid`` once it has started.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+def prepare(dag_file: str, dag_id: str, task_id: str, run_id: str, try_number: int):
+    """Sync the Dag into the database, and make its run and the task instance, queued for this try."""
+    from airflow import settings
+    from airflow.dag_processing.bundles.manager import DagBundlesManager
+    from airflow.dag_processing.dagbag import BundleDagBag, DagBag, sync_bag_to_db
+    from airflow.models.dagrun import DagRun, get_or_create_dagrun
+    from airflow.sdk import timezone
+    from airflow.serialization.serialized_objects import DagSerialization
+    from airflow.utils.state import TaskInstanceState
+    from airflow.utils.types import DagRunTriggeredByType
+
+    dag = DagBag(dag_folder=dag_file).dags[dag_id]
+    session = settings.Session()
+    manager = DagBundlesManager()
+    manager.sync_bundles_to_db(session=session)
+    session.commit()
+    for bundle in manager.get_all_dag_bundles():
+        if not bundle.is_initialized:
+            bundle.initialize()
+        bag = BundleDagBag(dag_folder=bundle.path, bundle_path=bundle.path, bundle_name=bundle.name)
+        sync_bag_to_db(bag, bundle.name, bundle.version)
+    scheduler_dag = DagSerialization.deserialize_dag(DagSerialization.serialize_dag(dag))
+    found = session.query(DagRun).filter(DagRun.dag_id == dag_id, DagRun.run_id == run_id).one_or_none()
+    now = timezone.utcnow()
+    dag_run = found or get_or_create_dagrun(
+        dag=scheduler_dag,
+        run_id=run_id,
+        logical_date=None,
+        data_interval=None,
+        run_after=now,
+        start_date=now,
+        conf=None,
+        triggered_by=DagRunTriggeredByType.TEST,
+        triggering_user_name="task_process",
+        session=session,
+    )
+    ti = dag_run.get_task_instance(task_id, session=session)
+    ti.try_number = try_number
+    ti.state = TaskInstanceState.QUEUED
+    session.merge(ti)
+    session.commit()
+    return dag, ti
+
+
+def announce_child(pid_file: Path) -> None:
+    """Write the task process's pid once the supervisor has forked it (the only child of this process)."""
+    import psutil
+
+    me = psutil.Process()
+    while True:
+        children = me.children()
+        if children:
+            pid_file.write_text(str(children[0].pid))
+            return
+        time.sleep(0.02)
+
+
+def main(argv: list[str]) -> int:
+    dag_file, dag_id, task_id, run_id, try_number, log_path = argv
+    from airflow.executors.workloads import BundleInfo
+    from airflow.sdk.api.datamodels._generated import TaskInstance as WorkloadTI
+    from airflow.sdk.execution_time import supervisor
+
+    dag, ti = prepare(dag_file, dag_id, task_id, run_id, int(try_number))
+    workload = WorkloadTI(
+        id=ti.id,
+        task_id=ti.task_id,
+        dag_id=ti.dag_id,
+        run_id=ti.run_id,
+        try_number=ti.try_number,
+        map_index=ti.map_index,
+        dag_version_id=ti.dag_version_id,
+    )
+    from airflow.sdk.configuration import conf
+
+    pid_file = Path(conf.get("logging", "base_log_folder")) / (log_path + ".pid")
+    threading.Thread(target=announce_child, args=(pid_file,), daemon=True).start()
+    run = getattr(supervisor, "supervise_task", None) or supervisor.supervise
+    return run(
+        ti=workload,
+        bundle_info=BundleInfo(name="dags-folder"),
+        dag_rel_path=os.path.relpath(dag_file, os.environ["AIRFLOW__CORE__DAGS_FOLDER"]),
+        token="",
+        client=supervisor.InProcessTestSupervisor._api_client(dag),
+        log_path=log_path,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
