@@ -77,10 +77,13 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
     """
     Sandboxes on the worker, isolated with bubblewrap. Attachable by tasks on the same host.
 
-    :param sandbox_conn_id: an optional ``sandbox_local`` connection whose extras give defaults for
-        the settings below; arguments given here win. None (the default) uses no connection.
-    :param state_root: directory holding the sandboxes. Default: ``<tmp>/airflow-sandbox-<uid>``,
-        so tasks on one host (LocalExecutor, ``airflow dags test``) find each other's sandboxes.
+    :param sandbox_conn_id: a ``sandbox_local`` connection whose extras give defaults for the
+        settings below; arguments given here win. None (the default): the ``sandbox_local_default``
+        connection when it exists, else none. A connection named here must exist.
+    :param state_root: directory holding the sandboxes. Default:
+        ``<tmp>/airflow-sandbox-<uid>-<instance>``, where ``<instance>`` is 10 hex digits derived
+        from ``AIRFLOW_HOME``: tasks of one Airflow on one host (LocalExecutor, ``airflow dags test``)
+        find each other's sandboxes, and another Airflow on the host, or another user, does not.
     :param image: a root filesystem directory to use, read-only, instead of the host's system
         directories (for example one made with ``debootstrap``); on a root worker every user must
         be able to read it.
@@ -185,21 +188,21 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
         if self._settings is not None:
             return self._settings
         extras: Mapping[str, Any] = {}
-        if self.sandbox_conn_id:
-            conn = self.get_connection(self.sandbox_conn_id)
+        conn = self._connection()
+        if conn is not None:
             if conn.conn_type not in (None, "", self.conn_type):
                 raise SandboxTerminalError(
-                    f"Connection {self.sandbox_conn_id!r} has type {conn.conn_type!r}; LocalSandboxHook needs "
+                    f"Connection {conn.conn_id!r} has type {conn.conn_type!r}; LocalSandboxHook needs "
                     f"a {self.conn_type!r} connection."
                 )
             extras = conn.extra_dejson
         try:
-            settings = self.settings.resolve(self._args, extras, conn_id=self.sandbox_conn_id)
+            settings = self.settings.resolve(self._args, extras, conn_id=conn.conn_id if conn is not None else None)
         except ValueError as err:
             raise SandboxTerminalError(f"{err} Fix the connection's extra, or pass the setting to the hook.") from err
         tmp = tempfile.gettempdir()
         if settings["state_root"] is None:
-            settings["state_root"] = os.path.join(tmp, f"airflow-sandbox-{os.getuid()}")
+            settings["state_root"] = default_state_root()
         if settings["uid_lease_dir"] is None:
             settings["uid_lease_dir"] = os.path.join(tmp, "airflow-sandbox-uids")
         for key in ("state_root", "uid_lease_dir", "image"):
@@ -212,6 +215,19 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
             raise SandboxTerminalError(f"image {settings['image']!r} is not a directory on this worker.")
         self._settings = settings
         return settings
+
+    def _connection(self) -> Any:
+        """The connection named by ``sandbox_conn_id``, or ``sandbox_local_default`` if it exists, or None."""
+        from airflow.exceptions import AirflowNotFoundException
+
+        if self.sandbox_conn_id:
+            return self.get_connection(self.sandbox_conn_id)
+        try:
+            conn = self.get_connection(self.default_conn_name)
+        except AirflowNotFoundException:
+            return None
+        log.info("Using the %s connection for the local backend's settings", self.default_conn_name)
+        return conn
 
     @property
     def state_root(self) -> str:
@@ -677,6 +693,21 @@ def _checked(value: Any, check: Callable[[Any], Any]) -> Any:
 @functools.cache
 def _which(name: str) -> str | None:
     return shutil.which(name, path=driver.BWRAP_ENV["PATH"])
+
+
+def default_state_root() -> str:
+    """
+    ``<tmp>/airflow-sandbox-<uid>-<instance>``: the state root when none is set, one per user and Airflow
+    instance on the host. ``<instance>`` is 10 hex digits of a hash of the resolved ``AIRFLOW_HOME``
+    (``~/airflow`` when unset). It stays in the temporary directory rather than under ``AIRFLOW_HOME``,
+    because a root worker's sandboxes run as other users, who must be able to pass through every
+    directory above it.
+    """
+    import hashlib
+
+    home = os.path.realpath(os.environ.get("AIRFLOW_HOME") or os.path.expanduser("~/airflow"))
+    instance = hashlib.sha256(home.encode("utf-8", "surrogateescape")).hexdigest()[:10]
+    return os.path.join(tempfile.gettempdir(), f"airflow-sandbox-{os.getuid()}-{instance}")
 
 
 def _check_workdir(workdir: Any) -> str:
