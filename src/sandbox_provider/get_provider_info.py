@@ -87,4 +87,20 @@ def get_provider_info() -> dict[str, Any]:
         "task-decorators": [
             {"name": "sandbox", "class-name": "sandbox_provider.decorators.sandbox.sandbox_task"},
         ],
+        "config": {
+            "sandbox": {
+                "description": "Settings of the sandbox provider that apply to every task of this deployment.",
+                "options": {
+                    "file_input_dirs": {
+                        "description": "Directories file:// inputs may be staged from, as absolute paths separated "
+                        "by commas. An input outside them, once every symlink on its way is followed, is refused "
+                        "before anything is provisioned. Empty: any file the worker's user can read.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "/data/incoming,/srv/reference",
+                        "default": "",
+                    },
+                },
+            },
+        },
     }
