@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import codecs
-import logging
 import threading
 from collections.abc import Callable, Iterable
+from typing import Any
 
 __all__ = [
     "LineLog",
@@ -101,11 +101,11 @@ class LineLog:
     ``max_line_chars`` is logged in pieces of that size, each after the first marked ``[stdout+]``,
     so memory stays bounded whatever a command prints. Safe to call from several reader threads.
 
-    :param logger: where the lines go (the task's ``self.log``).
+    :param logger: where the lines go: the task's ``self.log``, or any logger with ``info(message, *args)``.
     :param max_line_chars: the longest piece of a line held and logged at once, in characters.
     """
 
-    def __init__(self, logger: logging.Logger | logging.LoggerAdapter, *, max_line_chars: int = 16 * 1024) -> None:
+    def __init__(self, logger: Any, *, max_line_chars: int = 16 * 1024) -> None:
         self._log = logger
         self._max = max(1, int(max_line_chars))
         self._lock = threading.Lock()

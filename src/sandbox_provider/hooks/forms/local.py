@@ -18,8 +18,8 @@ SETTINGS = SettingsTable(
         "state_root",
         str,
         label="State directory",
-        help="Directory on the worker that holds the sandboxes. Default: <temporary directory>/airflow-sandbox-<uid>-<instance>, "
-        "one per user and AIRFLOW_HOME.",
+        help="Directory on the worker that holds the sandboxes. Default: "
+        "<temporary directory>/airflow-sandbox-<uid>-<instance>, one per user and AIRFLOW_HOME.",
     ),
     Setting(
         "image",
