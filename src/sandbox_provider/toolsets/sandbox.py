@@ -15,7 +15,7 @@ import sys
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, NotRequired, Self
 
-from pydantic import Field, TypeAdapter
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, with_config
 from pydantic_ai.exceptions import ModelRetry
 from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.toolsets.abstract import AbstractToolset, ToolsetTool
@@ -44,29 +44,45 @@ _OPERATIONS = ("run_command", "read_file", "write_file", "list_directory")
 _TOOL_RETRIES = 3
 
 
+# Strict: a value of the wrong type (``true`` or ``"10"`` for a number) is refused, never converted, and the
+# refusal goes back to the model as a retry naming the argument and what it must be. The bounds are in the
+# schema the model sees.
+_STRICT = ConfigDict(strict=True, extra="forbid")
+
+
+@with_config(_STRICT)
 class _RunCommandArgs(TypedDict):
-    command: Annotated[str, Field(description="The shell command line, run with sh -c in the sandbox.")]
+    command: Annotated[str, Field(min_length=1, description="The shell command line, run with sh -c in the sandbox.")]
     timeout_seconds: NotRequired[
         Annotated[
             float | None,
-            Field(description="Seconds to wait before the command is killed. Omit it for the default."),
+            Field(
+                gt=0,
+                allow_inf_nan=False,
+                description="Seconds to wait before the command is killed, above 0. Omit it for the default.",
+            ),
         ]
     ]
 
 
+@with_config(_STRICT)
 class _ReadFileArgs(TypedDict):
-    path: Annotated[str, Field(description="File path; a relative path starts at the working directory.")]
-    offset: NotRequired[Annotated[int | None, Field(description="First line to show, counting from 1.")]]
-    limit: NotRequired[Annotated[int | None, Field(description="Most lines to show.")]]
+    path: Annotated[str, Field(min_length=1, description="File path; a relative path starts at the working directory.")]
+    offset: NotRequired[Annotated[int | None, Field(ge=1, description="First line to show, counting from 1.")]]
+    limit: NotRequired[Annotated[int | None, Field(ge=1, description="Most lines to show, at least 1.")]]
 
 
+@with_config(_STRICT)
 class _WriteFileArgs(TypedDict):
-    path: Annotated[str, Field(description="File path; missing parent directories are created.")]
+    path: Annotated[str, Field(min_length=1, description="File path; missing parent directories are created.")]
     content: Annotated[str, Field(description="The complete new text of the file.")]
 
 
+@with_config(_STRICT)
 class _ListDirectoryArgs(TypedDict):
-    path: NotRequired[Annotated[str | None, Field(description="Directory to list. Omit it for the working directory.")]]
+    path: NotRequired[
+        Annotated[str | None, Field(min_length=1, description="Directory to list. Omit it for the working directory.")]
+    ]
 
 
 _ARGS: dict[str, TypeAdapter[Any]] = {
@@ -84,6 +100,15 @@ def _schema(op: str) -> dict[str, Any]:
         prop.pop("title", None)
     schema["additionalProperties"] = False
     return schema
+
+
+def _argument_errors(err: ValidationError) -> str:
+    """What was wrong with each argument, in one line: ``timeout_seconds: Input should be a valid number (got True)``."""
+    parts = []
+    for item in err.errors(include_url=False):
+        where = ".".join(str(p) for p in item.get("loc", ())) or "arguments"
+        parts.append(f"{where}: {item.get('msg', 'invalid')} (got {item.get('input')!r})")
+    return "; ".join(parts)
 
 
 def _listing(items: list[str]) -> str:
@@ -488,7 +513,10 @@ class SandboxToolset(AbstractToolset[Any]):
         :raises ValueError: for a tool name this toolset does not have.
         """
         op = self._operation(name)
-        args = _ARGS[op].validate_python(arguments)
+        try:
+            args = _ARGS[op].validate_python(arguments)
+        except ValidationError as err:
+            raise SandboxError(f"{name} was called with arguments it does not take: {_argument_errors(err)}") from None
         try:
             return self._dispatch(op, args)
         except ModelRetry as retry:
