@@ -125,3 +125,14 @@ def test_the_operator_logs_each_line_while_the_command_runs(tmp_path, monkeypatc
     assert logged[0] == ("[stdout] line 1", False)  # logged while the command still waited
     assert sorted(line for line, _ in logged) == ["[stderr] err", "[stdout] line 1", "[stdout] line 2"]
     assert result["stdout"] == "line 1\nline 2\n" and result["stderr"] == "err\n"  # the tails stay
+
+
+def test_a_flush_from_a_signal_handler_that_interrupted_a_write_gives_up(recorded):
+    logger, lines = recorded
+    live = LineLog(logger)
+    live("stdout", b"partial")
+    with live._lock:  # the writer was interrupted holding the lock, on this same thread
+        live.flush()  # returns after its wait instead of deadlocking
+    assert lines == []
+    live.flush()
+    assert lines == ["[stdout] partial"]

@@ -129,14 +129,23 @@ class LineLog:
             self._held[stream] = rest
 
     def flush(self) -> None:
-        """Log what is held of a last line that never ended (the command ended, or the task is killed)."""
-        with self._lock:
+        """
+        Log what is held of a last line that never ended (the command ended, or the task is killed).
+
+        From a signal handler (``on_kill``) that interrupted this very object's writer on the same
+        thread, the lock is never free: after a second it gives up, and only that partial line is lost.
+        """
+        if not self._lock.acquire(timeout=1.0):
+            return
+        try:
             for stream, decoder in self._decoders.items():
                 rest = self._held[stream] + decoder.decode(b"", final=True)
                 self._held[stream] = ""
                 if rest:
                     self._emit(stream, rest.removesuffix("\r"))
                 self._continued[stream] = False
+        finally:
+            self._lock.release()
 
     def _emit(self, stream: str, line: str) -> None:
         mark = f"[{stream}+]" if self._continued[stream] else f"[{stream}]"
