@@ -385,7 +385,8 @@ class SandboxSession:
 
         The backend clamps the timeout to the lifetime the sandbox has left.
 
-        :param on_output: called with ``("stdout" | "stderr", bytes)`` as output arrives.
+        :param on_output: called with ``("stdout" | "stderr", bytes)`` as output arrives; its ``flush()``,
+            if it has one (:class:`~sandbox_provider.sandbox.output.LineLog` does), when the command ended.
 
         :raises SandboxTerminalError: if the sandbox ended, or an attached one stopped mid-command.
         """
@@ -399,9 +400,14 @@ class SandboxSession:
             shown = shown[:_COMMAND_CHARS] + f" [... {len(shown) - _COMMAND_CHARS} more characters]"
         log.info("Running in sandbox %s (timeout %gs): %s", handle, float(timeout), shown)
         started = self._clock()
-        result = self.hook.run_command(
-            handle, command, timeout=float(timeout), max_output_bytes=int(max_output_bytes), on_output=on_output
-        )
+        try:
+            result = self.hook.run_command(
+                handle, command, timeout=float(timeout), max_output_bytes=int(max_output_bytes), on_output=on_output
+            )
+        finally:
+            flush = getattr(on_output, "flush", None)
+            if callable(flush):
+                flush()  # a last line without a newline goes to the log before how the command ended
         log.info("%s after %.1fs", _ending(result), self._clock() - started)
         if result.sandbox_terminated:
             with self._lock:
