@@ -226,57 +226,58 @@ class SandboxSession:
                     f"Not attached to sandbox {self.attach_to!r}: the sandbox ended, and a sandbox another task "
                     "owns is not replaced."
                 )
-            if self.attach_mode:
-                owner, holder = self._identity()
-                try:
-                    attached = self.hook.attach(self.attach_to, owner=owner, holder=holder)
-                except SandboxTerminalError:
-                    raise
-                except SandboxError as err:
-                    raise SandboxTerminalError(
-                        f"Could not attach to sandbox {self.attach_to!r} on backend {self.hook.name!r}: {err}"
-                    ) from err
-                self._attached = attached
-                self._holder = holder
-                if attached.remaining_lifetime is not None:
-                    self._expires_at = self._clock() + attached.remaining_lifetime
-                self._handle = attached.handle
-                left = (
-                    "an unknown part" if attached.remaining_lifetime is None else f"{attached.remaining_lifetime:.0f}s"
-                )
-                log.info(
-                    "Attached to sandbox %s on backend %s as %s; %s of its lifetime remain",
-                    attached.handle,
-                    self.hook.name,
-                    holder,
-                    left,
-                )
-            else:
-                self.check_storage()
-                self._end_earlier_tries()
-                try:
-                    handle = self.hook.create(spec=self.spec)
-                except SandboxTerminalError:
-                    raise
-                except SandboxError as err:
-                    raise SandboxTerminalError(
-                        f"Could not provision a sandbox on backend {self.hook.name!r}: {err}"
-                    ) from err
-                self._handle = handle
-                self._log_provisioned(handle)
+            handle = self._attach() if self.attach_mode else self._provision()
             if self._closed:
                 # Closed while provisioning (on_kill runs in the thread it interrupts): tear down
                 # what was just made, and let nothing run in it.
-                handle, self._handle = self._handle, None
+                self._handle = None
                 self._teardown(handle)
                 raise SandboxTerminalError(f"The session was closed while sandbox {handle} was being provisioned.")
             self._watch_supervisor()
             try:
-                stage_files(self.hook, self._handle, self.files)
-                stage_inputs(self.hook, self._handle, self.inputs, conn_id=self.input_conn_id)
+                stage_files(self.hook, handle, self.files)
+                stage_inputs(self.hook, handle, self.inputs, conn_id=self.input_conn_id)
             except SandboxError as err:
-                raise SandboxTerminalError(f"Could not stage the inputs of sandbox {self._handle}: {err}") from err
-            return self._handle
+                raise SandboxTerminalError(f"Could not stage the inputs of sandbox {handle}: {err}") from err
+            return handle
+
+    def _attach(self) -> str:
+        owner, holder = self._identity()
+        try:
+            attached = self.hook.attach(self.attach_to, owner=owner, holder=holder)
+        except SandboxTerminalError:
+            raise
+        except SandboxError as err:
+            raise SandboxTerminalError(
+                f"Could not attach to sandbox {self.attach_to!r} on backend {self.hook.name!r}: {err}"
+            ) from err
+        self._attached = attached
+        self._holder = holder
+        if attached.remaining_lifetime is not None:
+            self._expires_at = self._clock() + attached.remaining_lifetime
+        self._handle = attached.handle
+        left = "an unknown part" if attached.remaining_lifetime is None else f"{attached.remaining_lifetime:.0f}s"
+        log.info(
+            "Attached to sandbox %s on backend %s as %s; %s of its lifetime remain",
+            attached.handle,
+            self.hook.name,
+            holder,
+            left,
+        )
+        return attached.handle
+
+    def _provision(self) -> str:
+        self.check_storage()
+        self._end_earlier_tries()
+        try:
+            handle = self.hook.create(spec=self.spec)
+        except SandboxTerminalError:
+            raise
+        except SandboxError as err:
+            raise SandboxTerminalError(f"Could not provision a sandbox on backend {self.hook.name!r}: {err}") from err
+        self._handle = handle
+        self._log_provisioned(handle)
+        return handle
 
     def _log_provisioned(self, handle: str) -> None:
         expires = self.hook._known_expiry.get(handle)
@@ -291,17 +292,13 @@ class SandboxSession:
             time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(expires)),
         )
 
-    def _end_earlier_tries(self) -> None:
-        """
-        End the sandboxes earlier tries of this task instance left running (a killed worker, a lost
-        supervisor), found by their creation stamps. Sandboxes that carry an owner are for other tasks
-        to attach to, and stay.
-        """
+    def _earlier_tries(self) -> tuple[str, dict[str, dict[str, str]]]:
+        """``(this try, {handle: stamps})`` of the sandboxes earlier tries of this task instance left."""
         stamps = self._trace()
         current = stamps.get(TRY_NUMBER_TAG, "")
         wanted = {key: stamps[key] for key in (DAG_ID_TAG, RUN_ID_TAG, TASK_ID_TAG, MAP_INDEX_TAG) if key in stamps}
         if not current.isdigit() or int(current) <= 1 or len(wanted) < 4:
-            return
+            return current, {}
         try:
             found = self.hook.find_sandboxes(wanted)
         except NotImplementedError:
@@ -311,39 +308,51 @@ class SandboxSession:
                 current,
                 self.hook.name,
             )
-            return
+            return current, {}
         except Exception:
             log.warning("Could not look for sandboxes earlier tries of this task left running", exc_info=True)
-            return
-        ended = 0
-        earlier_tries = {
+            return current, {}
+        earlier = {
             handle: tags
             for handle, tags in found.items()
             if tags.get(TRY_NUMBER_TAG, "").isdigit() and int(tags[TRY_NUMBER_TAG]) < int(current)
         }
-        for handle, tags in sorted(earlier_tries.items(), key=lambda item: (int(item[1][TRY_NUMBER_TAG]), item[0])):
-            earlier = tags[TRY_NUMBER_TAG]
+        if not earlier:
+            log.info(
+                "This is try %s; no earlier try of this task left a sandbox running on backend %s",
+                current,
+                self.hook.name,
+            )
+        return current, earlier
+
+    def _end_earlier_tries(self) -> None:
+        """
+        End the sandboxes earlier tries of this task instance left running (a killed worker, a lost
+        supervisor), found by their creation stamps. Sandboxes that carry an owner are for other tasks
+        to attach to, and stay.
+        """
+        current, earlier = self._earlier_tries()
+        ended = 0
+        for handle, tags in sorted(earlier.items(), key=lambda item: (int(item[1][TRY_NUMBER_TAG]), item[0])):
+            number = tags[TRY_NUMBER_TAG]
             if tags.get(OWNER_TAG):
                 log.info(
                     "Leaving sandbox %s of try %s as it is: it carries owner %r, for later tasks to attach to.",
                     handle,
-                    earlier,
+                    number,
                     tags[OWNER_TAG],
                 )
                 continue
             try:
                 self.hook.destroy(handle)
             except Exception:
-                log.warning("Could not end sandbox %s, left running by try %s", handle, earlier, exc_info=True)
+                log.warning("Could not end sandbox %s, left running by try %s", handle, number, exc_info=True)
                 continue
             ended += 1
             log.info(
-                "Ended sandbox %s on backend %s, which try %s of this task left running",
-                handle,
-                self.hook.name,
-                earlier,
+                "Ended sandbox %s on backend %s, which try %s of this task left running", handle, self.hook.name, number
             )
-        if not ended:
+        if earlier and not ended:
             log.info(
                 "This is try %s; no earlier try of this task left a sandbox running on backend %s",
                 current,
