@@ -226,6 +226,7 @@ class SandboxSession:
                     f"Not attached to sandbox {self.attach_to!r}: the sandbox ended, and a sandbox another task "
                     "owns is not replaced."
                 )
+            self.check_storage()
             handle = self._attach() if self.attach_mode else self._provision()
             if self._closed:
                 # Closed while provisioning (on_kill runs in the thread it interrupts): tear down
@@ -267,7 +268,6 @@ class SandboxSession:
         return attached.handle
 
     def _provision(self) -> str:
-        self.check_storage()
         self._end_earlier_tries()
         try:
             handle = self.hook.create(spec=self.spec)
