@@ -117,7 +117,8 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
     capabilities = Capabilities(
         egress_hosts=False,
         egress_cidrs=False,
-        # Each entry is three bubblewrap arguments (--setenv NAME VALUE), and bwrap takes at most 9000.
+        # Each entry is three bubblewrap arguments (--setenv NAME VALUE, even through --args), and bwrap takes
+        # at most 9000 in all.
         max_env_entries=2500,
         advice=(
             "A sandbox here has either no network or the worker's. Stage what the job needs with inputs or files and "
@@ -473,20 +474,16 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
 
     def find_sandboxes(self, stamps: Mapping[str, str]) -> dict[str, dict[str, str]]:
         """The sandboxes under the state root whose stamps hold every item of ``stamps``: ``{handle: stamps}``."""
-        root = self._root()
         found: dict[str, dict[str, str]] = {}
-        if not os.path.isdir(root):
-            return found
-        for entry in os.listdir(root):
-            if not self.handle_pattern.fullmatch(entry):
+        for kind, handle, path in state.classify(self._root()):
+            if kind != "sandbox":
                 continue
             try:
-                with open(os.path.join(root, entry, _STAMPS), encoding="utf-8") as f:
-                    tags = {str(k): str(v) for k, v in json.load(f).items()}
-            except (OSError, ValueError, AttributeError):
-                continue
+                tags = {str(k): str(v) for k, v in state.read_record(path)["stamps"].items()}
+            except SandboxTerminalError:
+                continue  # being made or removed right now
             if all(tags.get(key) == value for key, value in stamps.items()):
-                found[entry] = tags
+                found[handle] = tags
         return found
 
     # -- running ---------------------------------------------------------------------------------------
