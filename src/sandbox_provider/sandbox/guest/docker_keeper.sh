@@ -1,0 +1,31 @@
+# The keeper of a Docker sandbox: the container's first process (PID 1), run as root.
+#
+#   $1  uid:gid to hand the working directory to ("" leaves it as it is)
+#   $2  the lifetime, in whole seconds
+#   $3  the provider's state directory (default /.airflow-sandbox)
+#
+# It lives for the lifetime and then ends, which ends the container (the Engine then removes it).
+# Being PID 1, it is out of reach of kill(-1) and of every signal sent from inside that it does not
+# trap; the commands run as another user without capabilities, so they cannot signal, stop or trace
+# it at all. The lifetime is counted on /proc/uptime, read by the shell itself.
+#
+# A shell waiting for its own child reaps every child it has, so the processes orphaned inside
+# (adopted by PID 1) do not pile up as zombies.
+#
+# On SIGUSR1, which the hook sends through the Engine, it kills every other process in the container
+# with one kill(-1), then appends one byte to "$3/swept": the size of that file counts the sweeps
+# done, so the hook can tell that its sweep ran. One kill(-1) is enough: the kernel signals every
+# process in one pass that no fork can slip through, and a process with SIGKILL pending forks no more.
+# The trap runs only shell builtins, so a sandbox whose process table is full is swept all the same.
+state=${3:-/.airflow-sandbox}
+umask 077
+mkdir -p "$state" || exit 1
+[ -z "$1" ] || chown "$1" . || echo "sandbox keeper: could not hand the working directory to $1" >&2
+read -r up _ < /proc/uptime
+end=$((${up%.*} + $2))
+trap 'kill -KILL -1 2>/dev/null; echo >> "$state/swept"' USR1
+: >> "$state/swept"
+while read -r up _ < /proc/uptime && [ "${up%.*}" -lt "$end" ]; do
+  sleep "$((end - ${up%.*}))" &
+  wait "$!"
+done
