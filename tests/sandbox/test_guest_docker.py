@@ -177,3 +177,68 @@ def test_keeper_reaps_orphans(keeper):
 def test_keeper_hands_the_working_directory_to_the_command_user(keeper, tmp_path):
     keeper(owner="65432:65431")
     assert (tmp_path.stat().st_uid, tmp_path.stat().st_gid) == (65432, 65431)
+
+
+#: PID 1 of a runner's namespace: runs the program given ("$1") with the rest of the arguments, keeps
+#: its status and output in files, then stays, so that what the program left behind can be seen.
+_RUNNER_HOST = 'p=$1; shift; sh "$p" "$@" > out 2> err; echo $? > rc; exec sleep 60\n'
+
+
+def _run_in_namespace(tmp_path, program: str, *args: str) -> tuple[Namespace, tuple[int, str, str]]:
+    (tmp_path / "program.sh").write_text(program)
+    ns = Namespace(tmp_path, _RUNNER_HOST, str(tmp_path / "program.sh"), *args, pid1=True)
+    rc = tmp_path / "rc"
+    assert until(lambda: rc.exists() and rc.read_text().strip(), timeout=30), ns.members()
+    return ns, (int(rc.read_text()), (tmp_path / "out").read_text(), (tmp_path / "err").read_text())
+
+
+@pytest.fixture
+def in_namespace(tmp_path):
+    started: list[Namespace] = []
+
+    def run(program: str, *args: str) -> tuple[Namespace, tuple[int, str, str]]:
+        for name in ("rc", "out", "err"):
+            (tmp_path / name).unlink(missing_ok=True)
+        ns, result = _run_in_namespace(tmp_path, program, *args)
+        started.append(ns)
+        return ns, result
+
+    yield run
+    for ns in started:
+        ns.close()
+
+
+def test_runner_passes_the_exit_status_and_the_output_through(in_namespace):
+    _, result = in_namespace(guest.program("docker_run.sh"), "30", "echo out; echo err >&2; exit 3")
+    assert result == (3, "out\n", "err\n")
+
+
+def test_runner_deadline_adds_nothing_to_the_output(in_namespace):
+    _, result = in_namespace(guest.program("docker_run.sh"), "0.5", f"echo partial; sleep 3{MARK}")
+    assert result == (137, "partial\n", "")
+    # The positive control: coreutils timeout's default mode kills its own group, and the shell says so.
+    _, plain = in_namespace('timeout -s KILL "$1" sh -c "$2"', "0.5", "echo partial; sleep 30")
+    assert plain[0] == 137 and "Killed" in plain[2]
+
+
+@pytest.mark.parametrize(
+    "escape",
+    [
+        "setsid sh -c 'sleep {m}' > /dev/null 2>&1 &",
+        "nohup sh -c 'sleep {m}' > /dev/null 2>&1 &",
+        "(setsid sh -c 'trap \"\" TERM HUP; (setsid sleep {m} &); sleep {m}' &)",
+        "cp /bin/sleep \"$(printf 'a\\nb')\" && (\"./$(printf 'a\\nb')\" {m} &)",
+        "i=0; while [ $i -lt 20 ]; do setsid sh -c 'sleep {m}' & i=$((i + 1)); done",
+    ],
+    ids=["setsid", "nohup", "double-fork", "newline-name", "many-sessions"],
+)
+@pytest.mark.parametrize("ends", ["by-itself", "at-deadline"])
+def test_runner_leaves_nothing_of_the_user_running(in_namespace, escape, ends):
+    command = escape.format(m=MARK) + ("\nsleep 0.3; exit 0" if ends == "by-itself" else "\nsleep 30")
+    # The positive control: the same command under plain sh leaves its daemons running.
+    control, _ = in_namespace('sh -c "$1"', command.replace("sleep 30", "exit 0"))
+    assert until(lambda: control.marked(), timeout=10)
+    control.close()
+    ns, (code, _, err) = in_namespace(guest.program("docker_run.sh"), "1.5", command)
+    assert (code, err) == (0 if ends == "by-itself" else 137, "")
+    assert not ns.marked()
