@@ -282,14 +282,9 @@ class StreamFiles:
         result, _ = self._stream_script(
             handle, "file.sh", path, int(max_bytes), "head", timeout=allowance, on_stdout=write
         )
-        size = reported_size(result.stderr)
-        if result.exit_code == guest.TOO_LARGE_STATUS or copied[0] > max_bytes:
-            raise SandboxFileTooLargeError(path, max(size or 0, copied[0]), max_bytes)
-        if not result.ok:
-            raise file_failure(result, path, "exporting")
-        if size is None:
-            raise SandboxError("The sandbox did not report the size of the file being exported.")
-        check_export_size(path, size, copied[0])
+        if copied[0] > max_bytes:
+            raise SandboxFileTooLargeError(path, max(reported_size(result.stderr) or 0, copied[0]), max_bytes)
+        check_export_size(path, checked_size(result, path, max_bytes, "exporting"), copied[0])
         return copied[0]
 
     def import_file(self, handle: str, path: str, source: IO[bytes]) -> int:
