@@ -120,6 +120,29 @@ def deadline_arg(seconds: float) -> str:
     return f"{millis // 1000}.{millis % 1000:03d}"
 
 
+def container_config(api: Any, settings: Mapping[str, Any], request: Any) -> dict[str, Any]:
+    """
+    The ``create_container`` arguments for a sandbox (``request``, a ``ProvisionRequest``): the keeper
+    as root, the command user and the creation stamps as labels, ``HOME`` the workdir unless the
+    spec sets one.
+    """
+    user = command_user(settings["sandbox_uid"], settings["run_as_root"])
+    return {
+        "image": settings["image"],
+        "name": request.name,
+        "entrypoint": keeper_entrypoint(request.lifetime, user),
+        "command": [],
+        "user": "0:0",
+        "environment": {"HOME": request.workdir, **dict(request.spec.env or {})},
+        "working_dir": request.workdir,
+        "labels": {**request.stamps, SANDBOX_LABEL: request.name, USER_LABEL: user},
+        "host_config": host_config(
+            api, settings, block_network=request.spec.block_network, run_as_root=settings["run_as_root"]
+        ),
+        "hostname": "sandbox",
+    }
+
+
 def host_config(api: Any, settings: Mapping[str, Any], *, block_network: bool, run_as_root: bool) -> dict:
     """The host config of a sandbox container: no init (the keeper is PID 1), auto-remove, limits."""
     memory = int(settings["memory_bytes"])

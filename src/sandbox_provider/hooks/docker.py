@@ -1,35 +1,25 @@
 """
 Sandboxes as containers on a Docker Engine, driven through the ``docker`` SDK.
 
-How the pieces map onto the Engine:
-
-- **A sandbox** is a container named ``airflow-sandbox-<hex>`` (the handle) with the label
-  ``airflow_sandbox``, the creation stamps (owner, expiry, network, workdir, and the Dag, run,
-  task, map index and try that made it) as labels, and the command user in ``airflow_sandbox_user``.
-- **The keeper** (``guest/docker_keeper.sh``) is the container's PID 1, run as root: it lives for
-  the lifetime and then ends, which ends the container, and the Engine removes it (auto-remove).
-  A killed worker leaves nothing running past the lifetime.
-- **Commands** run through exec as an unprivileged user (``sandbox_uid``, default 65432, a uid no
-  account of a common image has) with no capabilities and ``no-new-privileges``, so they cannot
-  signal, stop or trace the keeper: nothing inside can extend the lifetime. ``run_as_root`` runs
-  them as root with a few capabilities instead; root can stop the keeper, so the lifetime is then
-  also enforced from outside: every create, and :meth:`DockerSandboxHook.remove_expired`, remove
-  the provider's containers past their expiry label, and those created but never started.
-- **Nothing outlives its command**, by construction: the runner (``guest/docker_run.sh``) ends with
-  one ``kill(-1)`` as the command user, and then the hook has the keeper (root, with CAP_KILL) do
-  the same for everything in the container but itself, and waits for its witness to show it did.
-  A sandbox whose keeper does not answer is destroyed (the result says the sandbox ended). The
-  deadline is enforced inside by coreutils ``timeout``, and by the hook sweeping the container a
-  second after it. One command or file operation runs at a time per sandbox (in one worker), so no
-  process of a command is alive while the hook reads or writes a file.
-- **Files** go through exec too, as the command user, by the shared guest programs (``file.sh``,
-  ``write.sh``, ``list.sh``): permissions and symbolic links apply as a command would meet them,
-  and each read takes its size and bytes from one file. Bytes stream over the exec's standard
-  streams, a megabyte at a time. Only the provider's own stamp file goes over the archive API, into
-  the keeper's directory, which the command user cannot reach.
-- **Isolation**: no privileged mode, CPU, memory (no swap beyond it) and process-count limits, a
-  disk limit (``disk_bytes``) where the storage driver supports one, network mode ``none`` unless
-  the spec opens it. The Docker socket is never mounted and only ``spec.env`` is passed.
+- **A sandbox** is a container named ``airflow-sandbox-<hex>`` (the handle), labelled
+  ``airflow_sandbox``, with its creation stamps (owner, expiry, network, workdir, and the Dag, run,
+  task, map index and try that made it) and its command user (``airflow_sandbox_user``) as labels.
+- **The keeper** (``guest/docker_keeper.sh``) is PID 1, as root: it ends at the lifetime, which ends
+  the container, and the Engine removes it. A killed worker leaves nothing running past the lifetime.
+- **Commands** run through exec as ``sandbox_uid`` (default 65432, an id no account of a common
+  image has), without capabilities, under ``no-new-privileges``: they cannot signal, stop or trace
+  the keeper. With ``run_as_root`` they run as root with a few capabilities and can stop it, so the
+  lifetime is also enforced from outside: every create, and ``remove_expired()``, remove the
+  provider's containers past their expiry label, and those created but never started.
+- **Nothing outlives its command**, by construction: the runner (``guest/docker_run.sh``) ends
+  with one ``kill(-1)`` as the command user; then the keeper (root, CAP_KILL) kills everything but
+  itself, and the hook waits for its witness. A sandbox whose keeper does not answer is destroyed.
+  Commands and file operations run one at a time per sandbox, so none overlaps a read.
+- **Files** go through exec as the command user with the shared guest programs: permissions and
+  symbolic links apply as a command meets them, and a read takes its bytes from one open file.
+  Only the provider's stamp file goes over the archive API, into the keeper's private directory.
+- **Limits**: CPU, memory (no swap beyond it), processes, disk (``disk_bytes``) where the storage
+  driver supports it; network mode ``none`` unless the spec opens it; only ``spec.env`` is passed.
 """
 
 from __future__ import annotations
@@ -256,29 +246,19 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
         api = self._client().api
         self._sweep_engine()
         handle = request.name
-        user = driver.command_user(settings["sandbox_uid"], settings["run_as_root"])
-        kwargs = {
-            "image": settings["image"],
-            "name": handle,
-            "entrypoint": driver.keeper_entrypoint(request.lifetime, user),
-            "command": [],
-            "user": "0:0",
-            "environment": {"HOME": request.workdir, **dict(request.spec.env or {})},
-            "working_dir": request.workdir,
-            "labels": {**request.stamps, SANDBOX_LABEL: handle, driver.USER_LABEL: user},
-            "host_config": driver.host_config(
-                api, settings, block_network=request.spec.block_network, run_as_root=settings["run_as_root"]
-            ),
-            "hostname": "sandbox",
-        }
+        kwargs = driver.container_config(api, settings, request)
         if self.pull == "always":
             self._pull(settings["image"])
         container_id = self._create_container(kwargs, settings.get("disk_bytes"))
+        # Created and started as one step: whatever stops it in between (an error, the task being
+        # killed) removes the container, and a worker killed outright leaves it to the next sweep.
         try:
             api.start(container_id)
             ready = driver.wait_for_keeper(api, container_id)
-        except Exception as err:
+        except BaseException as err:
             self._remove_quietly(container_id)
+            if not isinstance(err, Exception):
+                raise
             raise SandboxTerminalError(
                 f"Sandbox container {handle} did not start on {self._where} (connection "
                 f"{self.sandbox_conn_id!r}): {getattr(err, 'explanation', None) or err}"
@@ -292,6 +272,7 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
                 "the connection's image extra."
             )
         driver.mark_swept(handle, True)
+        user = kwargs["labels"][driver.USER_LABEL]
         log.info(
             "Started Docker sandbox %s from %s on %s, lifetime %ss, commands as %s",
             handle,
@@ -569,15 +550,12 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
 
     def write_tags(self, handle: str, tags: Mapping[str, str]) -> None:
         """
-        Replace the sandbox's changeable stamps with ``tags``.
+        Replace the sandbox's changeable stamps (the holder) with ``tags``.
 
-        The creation stamps are container labels, set at create: the Engine has no call that changes
-        a container's labels, and labels are out of reach of code inside the sandbox. The holder must
-        change after create, so it (with any other stamp not among them) lives in a small JSON file at
-        ``/.airflow-sandbox/tags.json``, in the keeper's directory, written over the archive API.
-        The command user cannot read or change it; with ``run_as_root`` commands can, and then the
-        holder is attribution, not a lock. A stamp file replaced by something else than the JSON
-        written here makes :meth:`read_tags` fail with :class:`SandboxTerminalError`.
+        The creation stamps are labels, fixed at create and out of reach of the sandbox. The holder
+        lives in ``/.airflow-sandbox/tags.json``, the keeper's private directory, over the archive
+        API: the command user cannot touch it; root commands (``run_as_root``) can, and a file they
+        spoiled makes :meth:`read_tags` raise :class:`SandboxTerminalError`.
 
         :raises SandboxTerminalError: if the sandbox is missing or ended, or ``tags`` changes or
             drops a stamp fixed at create.
