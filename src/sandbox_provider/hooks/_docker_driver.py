@@ -171,7 +171,15 @@ def disk_refusal(api: Any, err: Exception, disk_bytes: int | None) -> str | None
     container's disk, or None when ``err`` is something else.
     """
     text = str(getattr(err, "explanation", None) or err)
-    if not disk_bytes or "storage-opt" not in text and "storage opt" not in text.lower():
+    if not disk_bytes:
+        return None
+    if "quota exceeded" in text.lower():  # btrfs counts the image's files in the limit too
+        return (
+            f"disk_bytes={disk_bytes} is too small for this Docker Engine to create the sandbox ({text}): its "
+            "storage driver counts the image's own files in the limit. Raise disk_bytes above the image's size "
+            "plus what the job writes."
+        )
+    if "storage-opt" not in text and "storage opt" not in text.lower():
         return None
     try:
         info = api.info()

@@ -20,7 +20,8 @@
 state=${3:-/.airflow-sandbox}
 umask 077
 mkdir -p "$state" || exit 1
-[ -z "$1" ] || chown "$1" . || echo "sandbox keeper: could not hand the working directory to $1" >&2
+# Some storage drivers (btrfs) make the container's root directory 0700, which no other user passes.
+[ -z "$1" ] || { chown "$1" . && chmod go+rx /; } || echo "sandbox keeper: could not set up the workdir for $1" >&2
 read -r up _ < /proc/uptime
 end=$((${up%.*} + $2))
 trap 'kill -KILL -1 2>/dev/null; echo >> "$state/swept"' USR1
