@@ -371,7 +371,7 @@ class ExecEnd:
     :param exit_code: its status, or None when it was still running when the hook stopped waiting.
     :param swept: the deadline passed and the hook swept the container to end it.
     :param sweep_failed: that sweep did not happen (the keeper did not answer).
-    :param error: what broke the stream, if anything did.
+    :param error: what broke the stream before the command ended, if anything did.
     :param stdin_read: bytes read from the standard input source (the rest sent was padding).
     """
 
@@ -419,19 +419,21 @@ def run_exec(
         feeder = threading.Thread(target=_feed, args=(raw, stdin, stdin_size or 0, read), daemon=True)
         feeder.start()
     reader.join(deadline + DEADLINE_GRACE)
-    swept = sweep_failed = False
+    swept = sweep_failed = abandoned = False
     if reader.is_alive():
         swept = True
         sweep_failed = not sweep(api, container)
         reader.join(STREAM_CLOSE_WAIT)
     if reader.is_alive():
+        abandoned = True  # what breaks the stream now is our closing it
         _close(raw)
         reader.join(STREAM_CLOSE_WAIT)
     else:
         _close(raw)
     if feeder is not None:
         feeder.join(STREAM_CLOSE_WAIT)
-    return ExecEnd(_exit_code(api, exec_id), swept, sweep_failed, failure[0] if failure else None, read[0])
+    error = failure[0] if failure and not abandoned else None
+    return ExecEnd(_exit_code(api, exec_id), swept, sweep_failed, error, read[0])
 
 
 def _pump(sock: Any, on_output: Callable[[int, bytes], None], failure: list[BaseException]) -> None:

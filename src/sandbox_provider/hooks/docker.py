@@ -50,6 +50,7 @@ from sandbox_provider.sandbox.spec import (
     RUN_ID_TAG,
     TASK_ID_TAG,
     TRACE_TAGS,
+    TRY_NUMBER_TAG,
     WORKDIR_TAG,
     SandboxExecResult,
     check_path,
@@ -244,7 +245,7 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
     def _provision(self, request: ProvisionRequest) -> str:
         settings = self._resolved()
         api = self._client().api
-        self._sweep_engine()
+        self._sweep_engine(request.stamps)
         handle = request.name
         kwargs = driver.container_config(api, settings, request)
         if self.pull == "always":
@@ -425,6 +426,8 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
                 raise self._engine_error(err, "starting a command", handle) from err
             elapsed = time.monotonic() - began
             terminated = not self._swept_after(handle, already=end.swept and not end.sweep_failed)
+        if end.error is not None and not terminated:
+            raise self._engine_error(end.error, "reading a command's output", handle) from end.error
         code = end.exit_code
         if terminated or code is None:
             return RunOutcome(exit_code=-1, timed_out=end.swept, sandbox_terminated=True), end.stdin_read
@@ -644,11 +647,16 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
             removed.append(leftover.handle)
         return removed
 
-    def _sweep_engine(self) -> None:
-        """The sweep every create runs first; a failure to sweep never stops the create."""
+    def _sweep_engine(self, stamps: Mapping[str, str]) -> None:
+        """
+        What every create does first: remove the Engine's leftovers, and the sandboxes earlier tries of
+        the creating task instance left (``stamps`` name it). A failure to sweep never stops the create.
+        """
         try:
             self.remove_expired()
-        except SandboxError:
+            if int(stamps.get(TRY_NUMBER_TAG) or 1) > 1:
+                self.end_earlier_tries(stamps)
+        except (SandboxError, ValueError):
             log.warning("Could not sweep leftover Docker sandboxes on %s", self._where, exc_info=True)
 
     # -- connection test -------------------------------------------------------------------------------
