@@ -246,8 +246,10 @@ def sweep(api: Any, container: str, timeout: float = SWEEP_TIMEOUT) -> bool:
     :raises docker.errors.APIError: when the container is gone or not running (409, 404).
     """
     before = witness(api, container)
-    if before is None:
-        return False
+    if before is None:  # a keeper still starting, or one whose witness is gone
+        if not wait_for_keeper(api, container, timeout):
+            return False
+        before = witness(api, container) or 0
     end = time.monotonic() + timeout
     next_signal = 0.0
     pause = 0.001
