@@ -198,6 +198,32 @@ def test_nothing_a_command_started_outlives_it(hook, sandbox, docker_client, esc
     assert sh(hook, sandbox, "echo still here").stdout == "still here\n"
 
 
+_TRACER = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def cmdline(pid):
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().split(b"\\0")
+found = {}
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    argv = cmdline(pid)
+    if argv[0] in (b"/.airflow-sandbox/sh", b"timeout"):
+        found[argv[0].decode()] = int(pid)
+for name, pid in sorted(found.items()):
+    rc = libc.ptrace(16, pid, 0, 0)  # PTRACE_ATTACH
+    print(name, rc, ctypes.get_errno() if rc else 0)
+    if rc == 0:
+        libc.ptrace(17, pid, 0, 0)  # PTRACE_DETACH
+"""
+
+
+def test_the_command_cannot_trace_the_runner(hook, sandbox):
+    hook.write_file(sandbox, "tracer.py", _TRACER.encode())
+    lines = sh(hook, sandbox, "python3 tracer.py").stdout.splitlines()
+    # The positive control: the command may trace its own timeout process; the runner it may not.
+    assert lines == ["/.airflow-sandbox/sh -1 1", "timeout 0 0"], lines
+
+
 def test_a_process_that_stops_everything_it_can_see_is_swept_too(hook, sandbox, docker_client):
     # It stops the runner, which cannot end it then; so the command cannot end by itself (the
     # positive control), and the hook's sweep at the deadline ends it all.
@@ -440,7 +466,7 @@ def test_files_move_with_the_command_users_rights(hook, root_hook, sandbox, dock
     handle = root_hook.create()
     try:
         root_hook.write_file(handle, "/etc/evil", b"x\n")
-        assert sh(root_hook, handle, "cat /etc/evil; ls /.airflow-sandbox").stdout.split() == ["x", "swept"]
+        assert sh(root_hook, handle, "cat /etc/evil; ls /.airflow-sandbox").stdout.split() == ["x", "sh", "swept"]
     finally:
         root_hook.destroy(handle)
 

@@ -125,11 +125,14 @@ def keeper(tmp_path, monkeypatch):
         ns.close()
 
 
-def test_keeper_ends_at_its_lifetime_and_keeps_its_state_private(keeper, tmp_path):
+def test_keeper_ends_at_its_lifetime_and_keeps_its_state_to_itself(keeper, tmp_path):
     ns = keeper(lifetime=2)
     state = tmp_path / "state"
-    assert state.stat().st_mode & 0o777 == 0o700
-    assert (state / "swept").stat().st_size == 0
+    assert state.stat().st_mode & 0o777 == 0o711  # passable, not listable
+    assert (state / "swept").stat().st_size == 0 and (state / "swept").stat().st_mode & 0o777 == 0o600
+    # The runner's shell: others may run it, not read it.
+    assert (state / "sh").stat().st_mode & 0o777 == 0o711
+    assert (state / "sh").read_bytes() == open("/bin/sh", "rb").read()
     assert ns.proc.poll() is None
     code, _, err = ns.wait(15)
     assert code == 0 and err == ""

@@ -37,6 +37,8 @@ USER_LABEL = "airflow_sandbox_user"
 STATE_DIR = "/.airflow-sandbox"
 #: The keeper appends a byte here after each sweep; see ``docker_keeper.sh``.
 WITNESS_FILE = STATE_DIR + "/swept"
+#: The keeper's copy of sh that the command user can run but not read (so not trace): the runner's.
+RUNNER_SHELL = STATE_DIR + "/sh"
 #: The default user commands run as: an id no account of a common image has (Debian reserves
 #: 65000-65533 and uses none of them; distroless's nonroot is 65532, nobody 65534).
 DEFAULT_SANDBOX_UID = 65432
@@ -104,8 +106,8 @@ def keeper_entrypoint(lifetime: float, user: str) -> list[str]:
 
 
 def runner_argv(command: str, seconds: float) -> list[str]:
-    """The exec's argv for one command with a deadline of ``seconds``."""
-    return ["sh", "-c", _code("docker_run.sh"), "sandbox-run", deadline_arg(seconds), command]
+    """The exec's argv for one command with a deadline of ``seconds``, under the keeper's copy of sh."""
+    return [RUNNER_SHELL, "-c", _code("docker_run.sh"), "sandbox-run", deadline_arg(seconds), command]
 
 
 def _code(name: str) -> str:
@@ -375,6 +377,8 @@ class ExecEnd:
     :param sweep_failed: that sweep did not happen (the keeper did not answer).
     :param error: what broke the stream before the command ended, if anything did.
     :param stdin_read: bytes read from the standard input source (the rest sent was padding).
+    :param started: the Engine started the program (False: the runtime could not, and said why in
+        the output).
     """
 
     exit_code: int | None
@@ -382,6 +386,7 @@ class ExecEnd:
     sweep_failed: bool
     error: BaseException | None
     stdin_read: int = 0
+    started: bool = True
 
 
 def run_exec(
@@ -435,7 +440,8 @@ def run_exec(
     if feeder is not None:
         feeder.join(STREAM_CLOSE_WAIT)
     error = failure[0] if failure and not abandoned else None
-    return ExecEnd(_exit_code(api, exec_id), swept, sweep_failed, error, read[0])
+    code, started = _exit_status(api, exec_id)
+    return ExecEnd(code, swept, sweep_failed, error, read[0], started)
 
 
 def _pump(sock: Any, on_output: Callable[[int, bytes], None], failure: list[BaseException]) -> None:
@@ -470,14 +476,16 @@ def _close(raw: Any) -> None:
             pass
 
 
-def _exit_code(api: Any, exec_id: str) -> int | None:
+def _exit_status(api: Any, exec_id: str) -> tuple[int | None, bool]:
+    """The exec's exit status (None while it runs) and whether it started at all (it had a process)."""
     # The stream can end a moment before the Engine records the exit status.
+    info: Mapping[str, Any] = {}
     for _ in range(50):
         info = api.exec_inspect(exec_id)
         if not info.get("Running") and info.get("ExitCode") is not None:
-            return int(info["ExitCode"])
+            return int(info["ExitCode"]), bool(info.get("Pid"))
         time.sleep(0.02)
-    return None
+    return None, bool(info.get("Pid", 1))
 
 
 # -- the client --------------------------------------------------------------------------------------

@@ -11,10 +11,11 @@ Sandboxes as containers on a Docker Engine, driven through the ``docker`` SDK.
   the keeper. With ``run_as_root`` they run as root with a few capabilities and can stop it, so the
   lifetime is also enforced from outside: every create, and ``remove_expired()``, remove the
   provider's containers past their expiry label, and those created but never started.
-- **Nothing outlives its command**, by construction: the runner (``guest/docker_run.sh``) ends
-  with one ``kill(-1)`` as the command user; then the keeper (root, CAP_KILL) kills everything but
-  itself, and the hook waits for its witness. A sandbox whose keeper does not answer is destroyed.
-  Commands and file operations run one at a time per sandbox, so none overlaps a read.
+- **Nothing outlives its command**, by construction: the runner (``guest/docker_run.sh``, under
+  the keeper's copy of sh that the command user can run but not read, so not trace) ends with one
+  ``kill(-1)`` as the command user. A command can only kill or stop it; then the keeper (root,
+  CAP_KILL) kills everything but itself, and the hook waits for its witness. A sandbox whose keeper
+  does not answer is destroyed. Commands and file operations run one at a time per sandbox.
 - **Files** go through exec as the command user with the shared guest programs: permissions and
   symbolic links apply as a command meets them, and a read takes its bytes from one open file.
   Only the provider's stamp file goes over the archive API, into the keeper's private directory.
@@ -93,7 +94,7 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
 
     :param sandbox_conn_id: the Airflow connection to read.
     :param image: the image sandboxes run; default ``python:3.12-slim``. It needs ``sh``, ``sleep``,
-        ``chown`` and coreutils ``timeout``.
+        ``cp``, ``chmod``, ``chown``, ``mkdir`` and coreutils ``timeout``.
     :param cpus: CPUs per sandbox (fractions allowed); default 1.
     :param memory_bytes: memory limit per sandbox in bytes, swap included; default 1 GiB.
     :param pids_limit: most processes at once per sandbox; default 512.
@@ -269,7 +270,7 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
             self._remove_quietly(container_id)
             raise SandboxTerminalError(
                 f"Sandbox container {handle} started on {self._where} but its keeper did not come up{logs}. The image "
-                f"{settings['image']!r} needs sh, sleep, chown, mkdir and coreutils timeout; name another image in "
+                f"{settings['image']!r} needs sh, sleep, cp, chmod, chown, mkdir and coreutils timeout; name another image in "
                 "the connection's image extra."
             )
         driver.mark_swept(handle, True)
@@ -403,7 +404,11 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
         labels = self._labels(handle)
         api = self._client().api
 
+        first = bytearray()
+
         def to_sink(stream: int, data: bytes) -> None:
+            if len(first) < 1024:
+                first.extend(data[: 1024 - len(first)])
             (output.stderr if stream == 2 else output.stdout)(data)
 
         with driver.sandbox_lock(handle):
@@ -425,7 +430,17 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
             except Exception as err:
                 raise self._engine_error(err, "starting a command", handle) from err
             elapsed = time.monotonic() - began
-            terminated = not self._swept_after(handle, already=end.swept and not end.sweep_failed)
+            # A runner that ended by itself killed everything else of the command user, and nothing
+            # could stop that but killing or stopping it (a status over 127, or the deadline).
+            clean = not end.swept and end.error is None and end.exit_code is not None and end.exit_code < 128
+            if clean:
+                driver.mark_swept(handle, True)
+                terminated = False
+            else:
+                terminated = not self._swept_after(handle, already=end.swept and not end.sweep_failed)
+        if not end.started:  # the runtime could not start the program: nothing ran
+            text = first.decode(errors="replace").strip()
+            raise SandboxTerminalError(f"The Docker Engine could not start a process in sandbox {handle}: {text}")
         if end.error is not None and not terminated:
             raise self._engine_error(end.error, "reading a command's output", handle) from end.error
         code = end.exit_code

@@ -18,7 +18,7 @@ SETTINGS = SettingsTable(
         str,
         DEFAULT_IMAGE,
         label="Default image",
-        help="Image the sandboxes run; it needs sh, sleep, chown, mkdir and coreutils timeout. When the Engine does not have it, "
+        help="Image the sandboxes run; it needs sh, sleep, cp, chmod, chown, mkdir and coreutils timeout. When the Engine does not have it, "
         "it is pulled from its registry (the hook's pull='missing'): an Engine without registry access needs an "
         "image it already has, e.g. airflow-sandbox-python:bookworm from scripts/docker/prepare.sh.",
     ),

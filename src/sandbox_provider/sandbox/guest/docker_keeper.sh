@@ -2,7 +2,8 @@
 #
 #   $1  uid:gid to hand the working directory to ("" leaves it as it is)
 #   $2  the lifetime, in whole seconds
-#   $3  the provider's state directory (default /.airflow-sandbox)
+#   $3  the provider's state directory (default /.airflow-sandbox): root's, passable but not
+#       readable by others
 #
 # It lives for the lifetime and then ends, which ends the container (the Engine then removes it).
 # Being PID 1, it is out of reach of kill(-1) and of every signal sent from inside that it does not
@@ -19,7 +20,12 @@
 # The trap runs only shell builtins, so a sandbox whose process table is full is swept all the same.
 state=${3:-/.airflow-sandbox}
 umask 077
-mkdir -p "$state" || exit 1
+mkdir -p "$state" && chmod 711 "$state" || exit 1
+# The runner's shell: a copy the command user may run but not read. The kernel marks a process
+# that runs a file it cannot read as not dumpable, so the command cannot trace the runner or
+# change its memory, and the runner's closing kill(-1) cannot be skipped (only killed or stopped,
+# which the hook sees).
+cp /bin/sh "$state/sh" && chmod 711 "$state/sh" || exit 1
 # Some storage drivers (btrfs) make the container's root directory 0700, which no other user passes.
 [ -z "$1" ] || { chown "$1" . && chmod go+rx /; } || echo "sandbox keeper: could not set up the workdir for $1" >&2
 read -r up _ < /proc/uptime

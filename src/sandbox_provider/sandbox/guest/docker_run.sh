@@ -8,7 +8,9 @@
 # output. When the command is over, by itself or at the deadline, one kill(-1) ends every other
 # process this user has in the container: background jobs, nohup and setsid daemons, fork bombs.
 # (As root it ends every process but PID 1, the keeper, which kill(-1) never reaches.) The hook
-# then has the keeper sweep again, so a command that stopped or killed this script is covered too.
+# runs this with the keeper's copy of sh, which the command cannot trace; a command that kills or
+# stops this script instead leaves a status over 127 or an exec past its deadline, and then the
+# hook has the keeper sweep the sandbox.
 timeout --foreground -s KILL "$1" sh -c "$2"
 rc=$?
 kill -KILL -1 2>/dev/null
