@@ -552,3 +552,41 @@ def test_an_attaching_worker_ends_what_an_earlier_holder_left_running(docker_con
         assert user_processes(docker_client, handle) == []
     finally:
         hook.destroy(handle)
+
+
+# -- a caller that stops waiting -------------------------------------------------------------------------
+
+
+class _Stop(Exception):
+    """What a task timeout raises in the waiting thread."""
+
+
+def test_a_callback_that_raises_stops_the_command_at_once(hook, sandbox, docker_client):
+    command = "echo a; sleep 1; touch after"
+    # The positive control: without the callback the command gets to its end.
+    assert sh(hook, sandbox, command).ok
+    sh(hook, sandbox, "rm after")
+
+    def interrupt(stream, data):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        hook.run_command(sandbox, command, timeout=30, max_output_bytes=100, on_output=interrupt)
+    assert user_processes(docker_client, sandbox) == []
+    assert sh(hook, sandbox, "sleep 1.5; test -e after && echo ran || echo stopped").stdout == "stopped\n"
+
+
+def test_a_task_timeout_while_waiting_stops_the_command(hook, sandbox, docker_client):
+    def alarm(signum, frame):
+        raise _Stop
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    try:
+        with pytest.raises(_Stop):
+            sh(hook, sandbox, "sleep 2; touch after2", timeout=30)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert user_processes(docker_client, sandbox) == []
+    assert sh(hook, sandbox, "sleep 2; test -e after2 && echo ran || echo stopped").stdout == "stopped\n"

@@ -406,8 +406,10 @@ def run_exec(
 
     ``stdin`` (with ``stdin_size`` bytes, padded with NULs if it ends early) feeds standard input;
     the program must read exactly that many bytes, since the stream is not closed after them. When
-    the output has not ended ``deadline`` seconds after the start plus a short grace, the
-    container is swept, which ends every process but the keeper, and the stream with them.
+    the output has not ended ``deadline`` seconds after the start plus a short grace, or when
+    ``on_output`` raises, the container is swept, which ends every process but the keeper, and the
+    stream with them. An exception raised in the calling thread while it waits (a task timeout,
+    Ctrl-C) sweeps the same way, then propagates.
 
     :raises docker.errors.APIError: when the exec cannot be created or started.
     """
@@ -417,41 +419,71 @@ def run_exec(
     sock = api.exec_start(exec_id, socket=True)
     raw = getattr(sock, "_sock", sock)
     raw.settimeout(None)  # a silent command is not a broken connection
-    failure: list[BaseException] = []
-    read = [0]
-    reader = threading.Thread(target=_pump, args=(sock, on_output, failure), daemon=True, name=f"exec-{container}")
+    pump = _Pump(sock, on_output)
+    reader = threading.Thread(target=pump.run, daemon=True, name=f"exec-{container}")
     reader.start()
+    read = [0]
     feeder = None
     if stdin is not None:
         feeder = threading.Thread(target=_feed, args=(raw, stdin, stdin_size or 0, read), daemon=True)
         feeder.start()
-    reader.join(deadline + DEADLINE_GRACE)
-    swept = sweep_failed = abandoned = False
-    if reader.is_alive():
+    try:
+        pump.done.wait(deadline + DEADLINE_GRACE)
+    except BaseException:
+        _stop(api, container, raw, reader)
+        raise
+    swept = sweep_failed = False
+    if reader.is_alive() or pump.callback_failed:
         swept = True
         sweep_failed = not sweep(api, container)
-        reader.join(STREAM_CLOSE_WAIT)
-    if reader.is_alive():
-        abandoned = True  # what breaks the stream now is our closing it
-        _close(raw)
-        reader.join(STREAM_CLOSE_WAIT)
-    else:
-        _close(raw)
+    abandoned = _stop(None, container, raw, reader)
     if feeder is not None:
         feeder.join(STREAM_CLOSE_WAIT)
-    error = failure[0] if failure and not abandoned else None
+    error = pump.failure if not abandoned else None
     code, started = _exit_status(api, exec_id)
     return ExecEnd(code, swept, sweep_failed, error, read[0], started)
 
 
-def _pump(sock: Any, on_output: Callable[[int, bytes], None], failure: list[BaseException]) -> None:
-    from docker.utils.socket import frames_iter
+class _Pump:
+    """Reads an exec's frames into ``on_output`` until the stream ends, or until ``on_output`` raises."""
 
-    try:
-        for stream, data in frames_iter(sock, tty=False):
-            on_output(stream, data)
-    except Exception as exc:  # reported to the caller; a closed socket ends here too
-        failure.append(exc)
+    def __init__(self, sock: Any, on_output: Callable[[int, bytes], None]) -> None:
+        self.sock, self.on_output = sock, on_output
+        self.done = threading.Event()
+        self.failure: BaseException | None = None
+        self.callback_failed = False
+
+    def run(self) -> None:
+        from docker.utils.socket import frames_iter
+
+        try:
+            for stream, data in frames_iter(self.sock, tty=False):
+                try:
+                    self.on_output(stream, data)
+                except BaseException:  # the caller's to raise (OutputSink keeps it); the command stops
+                    self.callback_failed = True
+                    return
+        except Exception as exc:  # reported to the caller; a closed socket ends here too
+            self.failure = exc
+        finally:
+            self.done.set()
+
+
+def _stop(api: Any, container: str, raw: Any, reader: threading.Thread) -> bool:
+    """
+    End an exec's stream: sweep the container first when ``api`` is given, then give the stream a
+    moment to end and close it. True when it had to be closed while still open.
+    """
+    if api is not None:
+        try:
+            sweep(api, container)
+        except Exception:  # the exception being raised is the one to report
+            pass
+    reader.join(STREAM_CLOSE_WAIT if reader.is_alive() else 0)
+    still_open = reader.is_alive()
+    _close(raw)
+    reader.join(STREAM_CLOSE_WAIT)
+    return still_open
 
 
 def _feed(raw: Any, source: IO[bytes], size: int, read: list[int]) -> None:

@@ -82,6 +82,13 @@ _DEFAULT_ENGINE = "the Docker Engine that DOCKER_HOST or the local socket names"
 DockerSandboxInfo = driver.DockerSandboxInfo
 
 
+def _engine_errors() -> tuple[type[BaseException], ...]:
+    import docker.errors
+    import requests
+
+    return (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
+
+
 class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
     """
     Provision sandboxes as containers on a Docker Engine.
@@ -427,7 +434,7 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
                     stdin=stdin,
                     stdin_size=stdin_size,
                 )
-            except Exception as err:
+            except _engine_errors() as err:  # a task timeout or Ctrl-C raised meanwhile goes on as it is
                 raise self._engine_error(err, "starting a command", handle) from err
             elapsed = time.monotonic() - began
             # A runner that ended by itself killed everything else of the command user, and nothing
