@@ -1,10 +1,6 @@
 """
-The Docker backend against a real Docker Engine.
-
-Needs an Engine and the sandbox image (``bash scripts/docker/prepare.sh`` sets both up). Without
-an Engine the module is skipped, unless ``SANDBOX_REQUIRE_DOCKER`` is set (CI sets it), when
-it fails instead. ``SANDBOX_DOCKER_IMAGE`` names the image (default
-``airflow-sandbox-python:bookworm``).
+The Docker backend against a real Docker Engine (see ``conftest.py`` for what it needs). The
+hostile-code cases are in ``test_docker_hostile.py``.
 """
 
 from __future__ import annotations
@@ -38,7 +34,8 @@ docker = pytest.importorskip("docker")
 
 from conftest import DOCKER_CONN_ID as CONN_ID  # noqa: E402
 from conftest import DOCKER_IMAGE  # noqa: E402
-from sandbox_provider.hooks.docker import (
+from sandbox_provider.hooks import _docker_driver as driver  # noqa: E402
+from sandbox_provider.hooks.docker import (  # noqa: E402
     MAX_COMMAND_SECONDS,
     SANDBOX_LABEL,
     DockerSandboxBackend,
@@ -142,28 +139,30 @@ def test_container_is_hardened_labelled_and_limited(docker_hook, docker_sandbox,
     assert docker_sandbox.startswith("airflow-sandbox-") and len(docker_sandbox) == len("airflow-sandbox-") + 12
     info = docker_client.api.inspect_container(docker_sandbox)
     host = info["HostConfig"]
-    assert info["Config"]["Labels"][SANDBOX_LABEL] == docker_sandbox
+    labels = info["Config"]["Labels"]
+    assert labels[SANDBOX_LABEL] == docker_sandbox and labels[driver.USER_LABEL] == "65432:65432"
     assert host["Privileged"] is False
-    assert host["CapDrop"] == ["ALL"]
-    assert set(host["CapAdd"]) <= {"CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID"}
+    assert host["CapDrop"] == ["ALL"] and set(host["CapAdd"]) == {"CHOWN", "KILL"}  # the keeper's, as root
     assert any(opt.startswith("no-new-privileges") for opt in host["SecurityOpt"])
     assert host["NanoCpus"] == 10**9
     assert host["Memory"] == 512 * MiB and host["MemorySwap"] == 512 * MiB
     assert host["PidsLimit"] == 256
     assert host["NetworkMode"] == "none"
-    assert host["AutoRemove"] is True and host["Init"] is True
+    assert host["AutoRemove"] is True and not host["Init"]
     assert not info["Mounts"] and not host.get("Binds")
-    assert info["Config"]["WorkingDir"] == "/workspace"
-    # Inside: the workdir exists, no Docker socket, and the capability set is the reduced one.
+    assert info["Config"]["WorkingDir"] == "/workspace" and info["Config"]["User"] == "0:0"
+    # Inside: commands run as the command user, who owns the workdir and holds no capability at all.
     result = sh(
         docker_hook,
         docker_sandbox,
-        "pwd; test -e /var/run/docker.sock && echo SOCKET; grep CapEff /proc/self/status",
+        "id -u; id -g; id -G; pwd; stat -c %u:%g .; echo $HOME; test -e /var/run/docker.sock && echo SOCKET; "
+        "grep -E '^Cap(Inh|Prm|Eff|Amb)' /proc/self/status",
     )
     assert result.ok, result
-    lines = result.stdout.split("\n")
-    assert lines[0] == "/workspace" and "SOCKET" not in result.stdout
-    assert int(lines[1].split()[1], 16) == sum(1 << bit for bit in (0, 1, 3, 4, 5, 6, 7))
+    lines = result.stdout.splitlines()
+    assert lines[:6] == ["65432", "65432", "65432", "/workspace", "65432:65432", "/workspace"]
+    assert "SOCKET" not in result.stdout
+    assert [int(line.split()[1], 16) for line in lines[6:]] == [0, 0, 0, 0]
 
 
 def test_worker_environment_is_invisible(docker_hook, docker_sandbox, monkeypatch):
@@ -324,7 +323,16 @@ def test_a_hook_that_did_not_create_the_sandbox_clamps_huge_deadlines(docker_con
     # A container of this provider that carries no expiry stamp still gets a finite deadline.
     name = "airflow-sandbox-" + secrets.token_hex(6)
     bare = docker_client.containers.run(
-        IMAGE, ["sleep", "300"], name=name, labels={SANDBOX_LABEL: name}, detach=True, init=True
+        IMAGE,
+        entrypoint=driver.keeper_entrypoint(300, "65432:65432"),
+        command=[],
+        user="0:0",
+        working_dir="/workspace",
+        cap_drop=["ALL"],
+        cap_add=list(driver.KEEPER_CAPABILITIES),
+        name=name,
+        labels={SANDBOX_LABEL: name, driver.USER_LABEL: "65432:65432"},
+        detach=True,
     )
     try:
         result = sh(DockerSandboxHook(docker_conn), name, "echo hi", timeout=1e300)
@@ -355,7 +363,7 @@ def test_commands_and_paths_that_cannot_be_sent_are_refused_first(docker_hook, d
         lambda p: docker_hook.write_file(docker_shared, p, b"x"),
         lambda p: docker_hook.read_file(docker_shared, p, max_bytes=10),
     ):
-        with pytest.raises(SandboxError, match="path is empty"):
+        with pytest.raises(SandboxError, match="not a usable path"):
             call("")
 
 
@@ -370,20 +378,16 @@ def test_write_and_read_round_trip(docker_hook, docker_shared):
     assert docker_hook.list_directory(docker_shared, "deep") == [("er", True)]
     docker_hook.write_file(docker_shared, "deep/er/data.bin", b"short")
     assert docker_hook.read_file(docker_shared, "deep/er/data.bin", max_bytes=100) == b"short"
-    result = sh(docker_hook, docker_shared, "stat -c '%s %a' deep/er/data.bin")
-    assert result.stdout.strip() == "5 644"
+    result = sh(docker_hook, docker_shared, "stat -c '%s %a %u' deep/er/data.bin")
+    assert result.stdout.strip() == "5 600 65432"  # written by the command user, private like mktemp's
 
 
-def test_write_keeps_mode_and_follows_symlinks(docker_hook, docker_shared):
-    sh(
-        docker_hook,
-        docker_shared,
-        "mkdir -p ln && printf old > ln/target && chmod 755 ln/target && ln -sf target ln/link",
-    )
+def test_write_replaces_a_symlink_rather_than_following_it(docker_hook, docker_shared):
+    sh(docker_hook, docker_shared, "mkdir -p ln && printf old > ln/target && ln -sf target ln/link")
     assert docker_hook.read_file(docker_shared, "ln/link", max_bytes=100) == b"old"
     docker_hook.write_file(docker_shared, "ln/link", b"new")
-    result = sh(docker_hook, docker_shared, "cat ln/target; echo; stat -c '%F %a' ln/link ln/target")
-    assert result.stdout.splitlines() == ["new", "symbolic link 777", "regular file 755"]
+    result = sh(docker_hook, docker_shared, "cat ln/target; echo; cat ln/link; echo; stat -c '%F' ln/link")
+    assert result.stdout.splitlines() == ["old", "new", "regular file"]
 
 
 def test_file_errors(docker_hook, docker_shared):
@@ -403,9 +407,9 @@ def test_file_errors(docker_hook, docker_shared):
     with pytest.raises(SandboxFileTooLargeError) as info:
         docker_hook.read_file(docker_shared, "errs/ten", max_bytes=9)
     assert (info.value.size_bytes, info.value.max_bytes) == (10, 9)
-    with pytest.raises(SandboxError, match="is a directory"):
+    with pytest.raises(SandboxError, match="cannot overwrite directory"):
         docker_hook.write_file(docker_shared, "errs", b"x")
-    with pytest.raises(SandboxError, match="not a directory"):
+    with pytest.raises(SandboxError, match="cannot create directory"):
         docker_hook.write_file(docker_shared, "errs/ten/below", b"x")
     with pytest.raises(SandboxError):
         docker_hook.list_directory(docker_shared, "errs/missing")
@@ -493,7 +497,6 @@ def test_stamps_attach_and_release(docker_conn):
 @pytest.mark.parametrize(
     "tamper",
     [
-        "rm -rf /.airflow-sandbox && echo x > /.airflow-sandbox",
         "rm -f /.airflow-sandbox/tags.json && ln -s /etc/passwd /.airflow-sandbox/tags.json",
         "rm -f /.airflow-sandbox/tags.json && ln -s tags.json /.airflow-sandbox/tags.json",
         "rm -f /.airflow-sandbox/tags.json && mkdir /.airflow-sandbox/tags.json",
@@ -506,7 +509,6 @@ def test_stamps_attach_and_release(docker_conn):
         "head -c 100000 /dev/zero | tr '\\0' ' ' > /.airflow-sandbox/tags.json",
     ],
     ids=[
-        "dir-is-file",
         "symlink",
         "symlink-loop",
         "directory",
@@ -520,7 +522,8 @@ def test_stamps_attach_and_release(docker_conn):
     ],
 )
 def test_a_tampered_holder_stamp_is_reported_legibly(docker_conn, tamper):
-    creator = DockerSandboxHook(docker_conn, pull="never")
+    # Only root can reach the stamp file (test_docker_hostile.py shows the command user cannot).
+    creator = DockerSandboxHook(docker_conn, pull="never", run_as_root=True)
     handle = creator.create(spec=SandboxSpec(owner="dag_t/run_1"))
     try:
         creator.attach(handle, owner="dag_t/run_1", holder="dag_t/run_1/t1")
@@ -537,8 +540,19 @@ def test_a_tampered_holder_stamp_is_reported_legibly(docker_conn, tamper):
         creator.destroy(handle)
 
 
+def test_a_root_command_that_breaks_the_keepers_directory_leaves_a_sandbox_that_says_so(docker_conn):
+    creator = DockerSandboxHook(docker_conn, pull="never", run_as_root=True)
+    handle = creator.create()
+    try:
+        assert sh(creator, handle, "rm -rf /.airflow-sandbox && echo x > /.airflow-sandbox").ok
+        with pytest.raises(SandboxTerminalError, match="could not start a process in sandbox .*airflow-sandbox/sh"):
+            sh(creator, handle, "echo next")
+    finally:
+        creator.destroy(handle)
+
+
 def test_the_owner_label_outranks_the_stamp_file(docker_conn):
-    creator = DockerSandboxHook(docker_conn, pull="never")
+    creator = DockerSandboxHook(docker_conn, pull="never", run_as_root=True)
     handle = creator.create(spec=SandboxSpec(owner="dag_t/run_1"))
     try:
         forged = json.dumps({OWNER_TAG: "dag_evil/run_1", HOLDER_TAG: "dag_evil/run_1/t"})

@@ -1,67 +1,62 @@
 """
 Sandboxes as containers on a Docker Engine, driven through the ``docker`` SDK.
 
-How the pieces map onto the Engine:
-
-- **A sandbox** is a container named ``airflow-sandbox-<hex>`` (the handle) with the label
-  ``airflow_sandbox``. Its main process is ``sleep <lifetime>`` under the Engine's init
-  (``--init``), so it idles, reaps orphans and ends on its own.
-- **The lifetime is the Engine's job, not the worker's.** The container is created with
-  auto-remove: when ``sleep`` reaches the end of ``sandbox_timeout`` the container stops, and the
-  daemon itself deletes it. A worker that is killed mid-task, or a machine that loses the worker,
-  leaves nothing running past the lifetime, and no sweeper has to run for that to hold.
-  :meth:`DockerSandboxHook.remove_expired` is still there for containers left over by daemons
-  restarted mid-lifetime and the like.
-- **Isolation**: no privileged mode, every capability dropped except the few a root shell needs
-  to manage its own files and processes (chown, override file permissions, set ids, kill),
-  ``no-new-privileges``, CPU, memory (no swap beyond it) and process-count limits. The Docker
-  socket is never mounted and nothing from the worker's environment is passed; only ``spec.env``.
-- **Network**: ``block_network=True`` gives the container no interface but loopback
-  (network mode ``none``). ``block_network=False`` joins the default bridge, or the network named
-  in the connection. Allow lists are refused until egress enforcement exists for this backend.
-- **Commands** run through exec under coreutils ``timeout -s KILL`` inside the container, so the
-  deadline is enforced where the process tree runs, even with the worker gone: ``timeout`` leads
-  its own process group and at the deadline sends SIGKILL to the whole group, which also stops
-  children that ignore SIGTERM. (A SIGTERM first would not do: once the direct child dies of it,
-  ``timeout`` stops and leaves the rest of the group running.) After the deadline, and after a
-  command that ended by itself, every process the container's init adopted (background jobs,
-  ``nohup`` and ``setsid`` daemons) is killed too, so nothing a command started outlives it. A
-  sandbox therefore runs one command at a time. The container stays usable. The worker waits a
-  short grace past the deadline, then stops reading in any case.
-- **Files** go over the Engine's archive API as tar streams built and read with :mod:`tarfile`,
-  one piece at a time, so memory stays bounded whatever the file size. Paths and symbolic links
-  are resolved by the Engine inside the container, as a process there would see them.
+- **A sandbox** is a container named ``airflow-sandbox-<hex>`` (the handle), labelled
+  ``airflow_sandbox``, with its creation stamps (owner, expiry, network, workdir, and the Dag, run,
+  task, map index and try that made it) and its command user (``airflow_sandbox_user``) as labels.
+- **The keeper** (``guest/docker_keeper.sh``) is PID 1, as root: it ends at the lifetime, which ends
+  the container, and the Engine removes it. A killed worker leaves nothing running past the lifetime.
+- **Commands** run through exec as ``sandbox_uid`` (default 65432, an id no account of a common
+  image has), without capabilities, under ``no-new-privileges``: they cannot signal, stop or trace
+  the keeper. With ``run_as_root`` they run as root with a few capabilities and can stop it, so the
+  lifetime is also enforced from outside: every create, and ``remove_expired()``, remove the
+  provider's containers past their expiry label, and those created but never started.
+- **Nothing outlives its command**, by construction: the runner (``guest/docker_run.sh``, under
+  the keeper's copy of sh that the command user can run but not read, so not trace) ends with one
+  ``kill(-1)`` as the command user. A command can only kill or stop it; then the keeper (root,
+  CAP_KILL) kills everything but itself, and the hook waits for its witness. A sandbox whose keeper
+  does not answer is destroyed. Commands and file operations run one at a time per sandbox.
+- **Files** go through exec as the command user with the shared guest programs: permissions and
+  symbolic links apply as a command meets them, and a read takes its bytes from one open file.
+  Only the provider's stamp file goes over the archive API, into the keeper's private directory.
+- **Limits**: CPU, memory (no swap beyond it), processes, disk (``disk_bytes``) where the storage
+  driver supports it; network mode ``none`` unless the spec opens it; only ``spec.env`` is passed.
 """
 
 from __future__ import annotations
 
-import io
-import json
 import logging
-import math
-import posixpath
-import shutil
-import tarfile
-import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
+from sandbox_provider.hooks import _docker_driver as driver
 from sandbox_provider.hooks.forms.docker import FORM
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.attach import Attachable
-from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
-from sandbox_provider.sandbox.files import ShellFiles, check_export_size
-from sandbox_provider.sandbox.hook import Capabilities, OutputSink, ProvisionRequest, RunOutcome, SandboxHook
+from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
+from sandbox_provider.sandbox.files import ShellFiles, StreamFiles
+from sandbox_provider.sandbox.hook import (
+    Capabilities,
+    OutputSink,
+    ProvisionRequest,
+    RunOutcome,
+    SandboxHook,
+)
 from sandbox_provider.sandbox.spec import (
     EXPIRES_AT_TAG,
     NETWORK_TAG,
     OWNER_TAG,
+    RUN_ID_TAG,
+    TASK_ID_TAG,
+    TRACE_TAGS,
+    TRY_NUMBER_TAG,
     WORKDIR_TAG,
-    check_byte_count,
+    SandboxExecResult,
+    check_path,
     is_named_sandbox,
+    trace_stamps,
 )
 
 if TYPE_CHECKING:
@@ -71,115 +66,54 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DockerSandboxBackend", "DockerSandboxHook", "DockerSandboxInfo"]
 
-#: The label every sandbox container of this provider carries; its value is the handle.
-SANDBOX_LABEL = "airflow_sandbox"
-#: Image used when neither the hook nor the connection names one.
-#: Seconds for one API call to the Engine (command output streams are not bound by it).
-API_TIMEOUT = 60
-#: Capabilities kept; all others are dropped.
-KEPT_CAPABILITIES = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "SETGID", "SETUID")
-#: Seconds the Engine may take past a deadline to end a killed command's stream.
-KILL_AFTER = 2.0
-#: Seconds the worker waits past a deadline for the Engine to end the command's stream.
-WAIT_GRACE = 10.0
-#: Longest deadline sent for a command when the sandbox's own end is unknown (30 days).
+SANDBOX_LABEL = driver.SANDBOX_LABEL
+#: Longest deadline for a command when the sandbox's own end is unknown (30 days).
 MAX_COMMAND_SECONDS = 30 * 24 * 3600.0
-#: Shortest deadline sent: coreutils ``timeout`` reads a deadline of 0 as none at all.
-MIN_COMMAND_SECONDS = 0.001
 #: Largest holder stamp file read back; the provider writes a few hundred bytes.
 TAGS_MAX_BYTES = 64 * 1024
-#: Bytes per piece when moving files.
-CHUNK_BYTES = 1024 * 1024
-#: Sources up to this size are spooled in memory before upload; larger ones go to a temp file.
-SPOOL_MEMORY_BYTES = 8 * 1024 * 1024
 #: Where the changeable stamps (the holder) live inside the container; see ``write_tags``.
-TAGS_DIR = ".airflow-sandbox"
-TAGS_FILE = "/" + TAGS_DIR + "/tags.json"
+TAGS_FILE = driver.STATE_DIR + "/tags.json"
 #: Stamps fixed as labels when the container is created.
-_LABEL_STAMPS = (OWNER_TAG, EXPIRES_AT_TAG, NETWORK_TAG, WORKDIR_TAG)
+_LABEL_STAMPS = (OWNER_TAG, EXPIRES_AT_TAG, NETWORK_TAG, WORKDIR_TAG, *TRACE_TAGS)
 _PULL_POLICIES = ("missing", "never", "always")
 #: How messages name the Engine of a connection without a host.
 _DEFAULT_ENGINE = "the Docker Engine that DOCKER_HOST or the local socket names"
 
-# Go's os.FileMode bits, as the Engine reports them in a path stat.
-_GO_MODE_DIR = 1 << 31
-_GO_MODE_SYMLINK = 1 << 27
-_GO_MODE_TYPE = (1 << 31) | (1 << 27) | (1 << 26) | (1 << 25) | (1 << 24) | (1 << 21) | (1 << 19)
-_SYMLINK_HOPS = 40
-#: The characters a container name may hold, as the Engine allows them.
+DockerSandboxInfo = driver.DockerSandboxInfo
 
 
-@dataclass(frozen=True)
-class DockerSandboxInfo:
-    """
-    One sandbox container this provider created, as :meth:`DockerSandboxHook.list_sandboxes` finds it.
+def _engine_errors() -> tuple[type[BaseException], ...]:
+    import docker.errors
+    import requests
 
-    :param handle: the container name, which is the sandbox handle.
-    :param owner: the owner stamp, or None.
-    :param expires_at: Unix time (seconds) when the Engine ends it, or None if unknown.
-    :param status: the Engine's container status (``running``, ``exited``, ...).
-    """
-
-    handle: str
-    owner: str | None
-    expires_at: float | None
-    status: str
-
-    def expired(self, now: float | None = None) -> bool:
-        """True when the lifetime has run out at ``now`` (default: the current time)."""
-        return self.expires_at is not None and self.expires_at <= (time.time() if now is None else now)
+    return (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
 
 
-class _ChunkReader(io.RawIOBase):
-    """A read-only binary file over an iterator of byte chunks (an archive download)."""
-
-    def __init__(self, chunks: Iterator[bytes]) -> None:
-        self._chunks = chunks
-        self._pending = b""
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:  # type: ignore[override]
-        while not self._pending:
-            try:
-                self._pending = next(self._chunks)
-            except StopIteration:
-                return 0
-        n = min(len(buffer), len(self._pending))
-        buffer[:n] = self._pending[:n]
-        self._pending = self._pending[n:]
-        return n
-
-
-class DockerSandboxHook(ShellFiles, Attachable, SandboxHook):
+class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
     """
     Provision sandboxes as containers on a Docker Engine.
 
     Connection (type ``sandbox_docker``, default id ``sandbox_docker_default``; when that default
     connection is not defined, the worker's own Engine is used as ``DOCKER_HOST`` or the local
-    socket names it):
-
-    - ``host``: the daemon address, ``unix:///var/run/docker.sock`` or ``tcp://host:2376``.
-    - ``login`` / ``password``: registry credentials, used only to pull an image that is missing.
-    - extras ``tls_ca_cert``, ``tls_client_cert``, ``tls_client_key`` (paths on the worker) and
-      ``tls_verify`` for a TLS-protected daemon.
-    - extras ``image``, ``network``, ``cpus``, ``memory_bytes``, ``pids_limit``,
-      ``sandbox_timeout``: defaults that the hook arguments below override.
+    socket names it): ``host`` (``unix:///var/run/docker.sock``, ``tcp://host:2376``), ``login`` and
+    ``password`` (registry credentials, only to pull a missing image), and the extras of the
+    settings below, which the hook arguments override.
 
     :param sandbox_conn_id: the Airflow connection to read.
-    :param image: the image sandboxes run; default the connection's, else ``python:3.12-slim``. It
-        needs ``sh``, ``sleep`` and coreutils ``timeout``.
+    :param image: the image sandboxes run; default ``python:3.12-slim``. It needs ``sh``, ``sleep``,
+        ``cp``, ``chmod``, ``chown``, ``mkdir`` and coreutils ``timeout``.
     :param cpus: CPUs per sandbox (fractions allowed); default 1.
     :param memory_bytes: memory limit per sandbox in bytes, swap included; default 1 GiB.
     :param pids_limit: most processes at once per sandbox; default 512.
-    :param sandbox_timeout: lifetime in seconds, after which the Engine stops and removes the
-        container; default 3600.
-    :param network: Docker network joined when a spec sets ``block_network=False``; default
-        ``bridge``.
+    :param sandbox_timeout: lifetime in seconds; default 3600.
+    :param network: Docker network joined when a spec sets ``block_network=False``; default ``bridge``.
+    :param sandbox_uid: the user id (and group id) commands run as; default 65432.
+    :param run_as_root: run commands as root (with a few capabilities) instead; default False.
+    :param disk_bytes: most bytes a sandbox may write, where the storage driver can limit it
+        (``create`` refuses elsewhere); default no limit.
     :param pull: ``"missing"`` (default) pulls an image the Engine lacks, ``"never"`` refuses,
         ``"always"`` pulls before each create.
-    :raises ValueError: for a non-positive limit or an unknown pull policy.
+    :raises ValueError: for a setting out of bounds or an unknown pull policy.
     """
 
     name: ClassVar[str] = "docker"
@@ -192,6 +126,8 @@ class DockerSandboxHook(ShellFiles, Attachable, SandboxHook):
         ),
     )
     form = FORM
+    #: Seconds a container may stay created but never started before a sweep removes it.
+    created_grace: float = driver.CREATED_GRACE
 
     def __init__(
         self,
@@ -203,16 +139,15 @@ class DockerSandboxHook(ShellFiles, Attachable, SandboxHook):
         pids_limit: int | None = None,
         sandbox_timeout: float | None = None,
         network: str | None = None,
+        sandbox_uid: int | None = None,
+        run_as_root: bool | None = None,
+        disk_bytes: int | None = None,
         pull: str = "missing",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         if not isinstance(sandbox_conn_id, str) or not sandbox_conn_id.strip():
             raise ValueError(f"sandbox_conn_id must be a connection id, got {sandbox_conn_id!r}.")
-        if image is not None and (not isinstance(image, str) or not image.strip()):
-            raise ValueError(f"image must be an image reference such as 'python:3.12-slim', got {image!r}.")
-        if network is not None and (not isinstance(network, str) or not network.strip()):
-            raise ValueError(f"network must be the name of a Docker network, got {network!r}.")
         if pull not in _PULL_POLICIES:
             raise ValueError(f"pull must be one of {', '.join(_PULL_POLICIES)}; got {pull!r}.")
         self.sandbox_conn_id = sandbox_conn_id
@@ -224,14 +159,18 @@ class DockerSandboxHook(ShellFiles, Attachable, SandboxHook):
                 "memory_bytes": memory_bytes,
                 "pids_limit": pids_limit,
                 "sandbox_timeout": sandbox_timeout,
+                "sandbox_uid": sandbox_uid,
+                "run_as_root": run_as_root,
+                "disk_bytes": disk_bytes,
             }
         )
-        self.image = image
         self.pull = pull
         self._lock = threading.Lock()
         self._client_obj: docker.DockerClient | None = None
         self._settings_obj: dict[str, Any] | None = None
         self._where = _DEFAULT_ENGINE
+        #: Labels of the sandboxes this hook used, by handle; they never change.
+        self._labels_seen: dict[str, dict[str, str]] = {}
 
     # -- connection ------------------------------------------------------------------------------------
 
@@ -264,44 +203,17 @@ class DockerSandboxHook(ShellFiles, Attachable, SandboxHook):
 
     def _client(self) -> docker.DockerClient:
         with self._lock:
-            if self._client_obj is not None:
-                return self._client_obj
-            try:
-                import docker
-            except ImportError as err:
-                from airflow.exceptions import AirflowOptionalProviderFeatureException
-
-                raise AirflowOptionalProviderFeatureException(
-                    "The Docker sandbox backend needs the docker package: pip install 'airflow-provider-sandbox[docker]'."
-                ) from err
-            settings = self._resolved()
-            host = settings["host"]
-            if host and "://" not in host:
-                host = ("unix://" + host) if host.startswith("/") else ("tcp://" + host)
-            tls: Any = False
-            cert, key, ca = settings["tls_client_cert"], settings["tls_client_key"], settings["tls_ca_cert"]
-            if cert or key or ca or settings["tls_verify"]:
-                if bool(cert) != bool(key):
-                    raise SandboxTerminalError(
-                        f"Connection {self.sandbox_conn_id!r} names only one of tls_client_cert and tls_client_key; "
-                        "a client certificate needs both."
-                    )
-                verify = settings["tls_verify"]
-                tls = docker.tls.TLSConfig(
-                    client_cert=(cert, key) if cert else None,
-                    ca_cert=ca,
-                    verify=bool(ca) if verify is None else (ca if (verify and ca) else bool(verify)),
-                )
-            self._where = f"the Docker Engine at {host}" if host else _DEFAULT_ENGINE
-            try:
-                if host:
-                    client = docker.DockerClient(base_url=host, version="auto", tls=tls, timeout=API_TIMEOUT)
-                else:
-                    client = docker.DockerClient.from_env(version="auto", timeout=API_TIMEOUT)
-            except Exception as err:  # the SDK raises DockerException, requests or OS errors alike
-                raise self._unreachable(err) from err
-            self._client_obj = client
-            return client
+            if self._client_obj is None:
+                settings = self._resolved()
+                host = driver.daemon_url(settings["host"])
+                self._where = f"the Docker Engine at {host}" if host else _DEFAULT_ENGINE
+                try:
+                    self._client_obj = driver.make_client(host, settings, conn_id=self.sandbox_conn_id)
+                except SandboxError:
+                    raise
+                except Exception as err:  # the SDK raises DockerException, requests or OS errors alike
+                    raise self._unreachable(err) from err
+            return self._client_obj
 
     def _unreachable(self, err: BaseException) -> SandboxTerminalError:
         return SandboxTerminalError(
@@ -315,7 +227,7 @@ class DockerSandboxHook(ShellFiles, Attachable, SandboxHook):
         import requests
 
         if isinstance(err, docker.errors.NotFound) and handle:
-            self._known_expiry.pop(handle, None)
+            self._forget(handle)
             return SandboxTerminalError(
                 f"Sandbox {handle!r} does not exist on {self._where} (connection {self.sandbox_conn_id!r}): it was "
                 "destroyed or reached the end of its lifetime."
@@ -331,58 +243,63 @@ class DockerSandboxHook(ShellFiles, Attachable, SandboxHook):
             return SandboxTerminalError(f"{self._where} failed while {doing}: {err.explanation or err}")
         return SandboxError(f"{self._where} refused {doing}: {getattr(err, 'explanation', None) or err}")
 
+    def _forget(self, handle: str) -> None:
+        self._known_expiry.pop(handle, None)
+        self._labels_seen.pop(handle, None)
+        driver.mark_swept(handle, False)
+
     # -- lifecycle -------------------------------------------------------------------------------------
 
     def _provision(self, request: ProvisionRequest) -> str:
-        spec = request.spec
         settings = self._resolved()
-        client = self._client()
-        api = client.api
-        lifetime = request.lifetime
+        api = self._client().api
+        self._sweep_engine(request.stamps)
         handle = request.name
-        labels = {**request.stamps, SANDBOX_LABEL: handle}
-        memory = int(settings["memory_bytes"])
-        host_config = api.create_host_config(
-            init=True,
-            auto_remove=True,
-            network_mode="none" if spec.block_network else settings["network"],
-            cap_drop=["ALL"],
-            cap_add=list(KEPT_CAPABILITIES),
-            security_opt=["no-new-privileges"],
-            privileged=False,
-            nano_cpus=int(float(settings["cpus"]) * 1e9),
-            mem_limit=memory,
-            memswap_limit=memory,
-            pids_limit=int(settings["pids_limit"]),
-        )
-        kwargs = {
-            "image": settings["image"],
-            "name": handle,
-            "entrypoint": ["sleep", str(math.ceil(lifetime))],
-            "command": [],
-            "environment": dict(spec.env or {}),
-            "working_dir": self.workdir,
-            "labels": labels,
-            "host_config": host_config,
-            "hostname": "sandbox",
-        }
-        if settings["image"] and self.pull == "always":
+        kwargs = driver.container_config(api, settings, request)
+        if self.pull == "always":
             self._pull(settings["image"])
-        container_id = self._create_container(kwargs)
+        container_id = self._create_container(kwargs, settings.get("disk_bytes"))
+        # Created and started as one step: whatever stops it in between (an error, the task being
+        # killed) removes the container, and a worker killed outright leaves it to the next sweep.
         try:
             api.start(container_id)
-        except Exception as err:
+            ready = driver.wait_for_keeper(api, container_id)
+        except BaseException as err:
             self._remove_quietly(container_id)
+            if not isinstance(err, Exception):
+                raise
             raise SandboxTerminalError(
                 f"Sandbox container {handle} did not start on {self._where} (connection "
                 f"{self.sandbox_conn_id!r}): {getattr(err, 'explanation', None) or err}"
             ) from err
+        if not ready:
+            logs = self._keeper_log(container_id)
+            self._remove_quietly(container_id)
+            raise SandboxTerminalError(
+                f"Sandbox container {handle} started on {self._where} but its keeper did not come up{logs}. The image "
+                f"{settings['image']!r} needs sh, sleep, cp, chmod, chown, mkdir and coreutils timeout; name another image in "
+                "the connection's image extra."
+            )
+        driver.mark_swept(handle, True)
+        user = kwargs["labels"][driver.USER_LABEL]
         log.info(
-            "Started Docker sandbox %s from %s on %s, lifetime %ss", handle, settings["image"], self._where, lifetime
+            "Started Docker sandbox %s from %s on %s, lifetime %ss, commands as %s",
+            handle,
+            settings["image"],
+            self._where,
+            request.lifetime,
+            "root" if user == "0:0" else f"uid {user.split(':')[0]}",
         )
         return handle
 
-    def _create_container(self, kwargs: dict[str, Any]) -> str:
+    def _keeper_log(self, container: str) -> str:
+        try:
+            text = self._client().api.logs(container, tail=5).decode(errors="replace").strip()
+        except Exception:  # the container may already be gone
+            return ""
+        return f" ({text})" if text else ""
+
+    def _create_container(self, kwargs: dict[str, Any], disk_bytes: int | None) -> str:
         import docker.errors
 
         api = self._client().api
@@ -399,6 +316,9 @@ class DockerSandboxHook(ShellFiles, Attachable, SandboxHook):
                     ) from err
                 self._pull(image)
             except Exception as err:
+                refusal = driver.disk_refusal(api, err, disk_bytes)
+                if refusal:
+                    raise SandboxTerminalError(refusal) from err
                 raise self._engine_error(err, "creating a sandbox container") from err
         raise AssertionError("unreachable")
 
@@ -429,6 +349,7 @@ class DockerSandboxHook(ShellFiles, Attachable, SandboxHook):
         # A sandbox that is gone (destroyed, or removed at the end of its lifetime) is not an error.
         import docker.errors
 
+        self._forget(handle)
         try:
             self._client().api.remove_container(handle, force=True)
         except docker.errors.NotFound:
@@ -440,230 +361,177 @@ class DockerSandboxHook(ShellFiles, Attachable, SandboxHook):
         except Exception as err:
             raise self._engine_error(err, f"removing sandbox {handle!r}") from err
 
-    # -- commands --------------------------------------------------------------------------------------
+    # -- exec: commands and file operations --------------------------------------------------------------
 
-    def _run(self, handle: str, command: str, *, timeout: float, output: OutputSink) -> RunOutcome:
-        # The deadline is enforced inside the container by coreutils ``timeout``, which SIGKILLs the
-        # command's whole process group, rounded up to whole milliseconds (never 0, which ``timeout``
-        # reads as no deadline). The base caps deadlines at 30 days.
-        if not _is_utf8(command):
-            raise SandboxError(
-                "command must be valid UTF-8 text; it holds characters that cannot be encoded (undecodable "
-                "bytes carried as surrogates)."
-            )
-        deadline = _deadline_arg(timeout)
-        budget = float(deadline)
-        api = self._client().api
-        argv = ["sh", "-c", guest.program("docker_run.sh"), "sandbox-run", deadline, command]
+    def _labels(self, handle: str) -> dict[str, str]:
+        """The labels of a running sandbox of this provider, read once per handle."""
+        labels = self._labels_seen.get(handle)
+        if labels is not None:
+            return labels
         try:
-            exec_id = api.exec_create(handle, argv, stdout=True, stderr=True, stdin=False, tty=False)["Id"]
-            began = time.monotonic()
-            stream = api.exec_start(exec_id, stream=True, demux=True)
+            info = self._client().api.inspect_container(handle)
         except Exception as err:
-            raise self._engine_error(err, "starting a command", handle) from err
-        failure: list[BaseException] = []
-
-        def pump() -> None:
-            try:
-                for chunk_out, chunk_err in stream:
-                    if chunk_out:
-                        output.stdout(chunk_out)
-                    if chunk_err:
-                        output.stderr(chunk_err)
-            except Exception as exc:  # reported below; a closed stream ends here too
-                failure.append(exc)
-
-        reader = threading.Thread(target=pump, daemon=True, name=f"docker-exec-{handle}")
-        reader.start()
-        reader.join(budget + KILL_AFTER + WAIT_GRACE)
-        abandoned = reader.is_alive()
-        if abandoned:
-            log.warning("Command in sandbox %s outlived its deadline; no longer waiting for its output", handle)
-            try:
-                stream.close()
-            except Exception:  # closing a stream the Engine already ended is harmless
-                log.debug("Closing the output stream of sandbox %s failed", handle, exc_info=True)
-            reader.join(5)
-        elapsed = time.monotonic() - began
-        try:
-            exit_code = api.exec_inspect(exec_id).get("ExitCode")
-        except Exception as exc:
-            raise self._engine_error(exc, "reading a command's exit status", handle) from exc
-        terminated = False
-        if exit_code is None or exit_code >= 128 or failure:
-            try:
-                terminated = not self._is_running(handle)
-            except Exception as exc:
-                raise self._engine_error(exc, "checking the sandbox after a command", handle) from exc
-        timed_out = abandoned or (exit_code in (124, 137) and elapsed >= budget and not terminated)
-        return RunOutcome(
-            exit_code=-1 if exit_code is None else int(exit_code), timed_out=timed_out, sandbox_terminated=terminated
-        )
+            raise self._engine_error(err, f"reading sandbox {handle!r}", handle) from err
+        labels = dict(info.get("Config", {}).get("Labels") or {})
+        if labels.get(SANDBOX_LABEL) != handle:
+            raise SandboxTerminalError(f"Container {handle!r} was not created by this provider; it cannot be used.")
+        if not (info.get("State") or {}).get("Running"):
+            raise SandboxTerminalError(f"Sandbox {handle!r} has ended (status {info['State'].get('Status')!r}).")
+        if driver.USER_LABEL not in labels:
+            raise SandboxTerminalError(
+                f"Sandbox {handle!r} was provisioned by an older version of this provider, whose commands run as root "
+                "and whose keeper cannot sweep; destroy it and provision a new one."
+            )
+        self._labels_seen[handle] = labels
+        return labels
 
     def _remaining_lifetime(self, handle: str) -> float | None:
         # The expiry label, read once per handle; a sandbox without one has no known end.
         expires = self._known_expiry.get(handle)
         if expires is None:
-            expires = self._known_expiry[handle] = _expiry_of(self._container_labels(handle))
+            expires = self._known_expiry[handle] = driver.expiry_of(self._labels(handle))
         return expires - time.time()
 
-    def _is_running(self, handle: str) -> bool:
+    def _exec(
+        self,
+        handle: str,
+        argv: list[str],
+        *,
+        timeout: float,
+        output: OutputSink,
+        stdin: IO[bytes] | None = None,
+        stdin_size: int = 0,
+    ) -> tuple[RunOutcome, int]:
+        """
+        Run ``argv`` in the sandbox as its command user, one at a time per sandbox, and sweep after.
+
+        Returns the outcome and the bytes read from ``stdin``. A sandbox that cannot be swept is
+        destroyed, and the outcome says it ended.
+        """
+        labels = self._labels(handle)
+        api = self._client().api
+
+        first = bytearray()
+
+        def to_sink(stream: int, data: bytes) -> None:
+            if len(first) < 1024:
+                first.extend(data[: 1024 - len(first)])
+            (output.stderr if stream == 2 else output.stdout)(data)
+
+        with driver.sandbox_lock(handle):
+            self._sweep_first(handle)
+            driver.mark_swept(handle, False)
+            began = time.monotonic()
+            try:
+                end = driver.run_exec(
+                    api,
+                    handle,
+                    argv,
+                    user=labels[driver.USER_LABEL],
+                    workdir=labels.get(WORKDIR_TAG) or self.workdir,
+                    deadline=timeout,
+                    on_output=to_sink,
+                    stdin=stdin,
+                    stdin_size=stdin_size,
+                )
+            except _engine_errors() as err:  # a task timeout or Ctrl-C raised meanwhile goes on as it is
+                raise self._engine_error(err, "starting a command", handle) from err
+            elapsed = time.monotonic() - began
+            # A runner that ended by itself killed everything else of the command user, and nothing
+            # could stop that but killing or stopping it (a status over 127, or the deadline).
+            clean = not end.swept and end.error is None and end.exit_code is not None and end.exit_code < 128
+            if clean:
+                driver.mark_swept(handle, True)
+                terminated = False
+            else:
+                terminated = not self._swept_after(handle, already=end.swept and not end.sweep_failed)
+        if not end.started:  # the runtime could not start the program: nothing ran
+            text = first.decode(errors="replace").strip()
+            raise SandboxTerminalError(f"The Docker Engine could not start a process in sandbox {handle}: {text}")
+        if end.error is not None and not terminated:
+            raise self._engine_error(end.error, "reading a command's output", handle) from end.error
+        code = end.exit_code
+        if terminated or code is None:
+            return RunOutcome(exit_code=-1, timed_out=end.swept, sandbox_terminated=True), end.stdin_read
+        timed_out = end.swept or (code in (124, 137) and elapsed >= timeout)
+        return RunOutcome(exit_code=code, timed_out=timed_out), end.stdin_read
+
+    def _sweep_first(self, handle: str) -> None:
+        """Before the first operation of this process on a sandbox: end what an earlier holder left running."""
+        if not driver.known_swept(handle) and not self._swept_after(handle, already=False):
+            raise SandboxTerminalError(
+                f"Sandbox {handle} was destroyed: its keeper did not answer, so processes left running in it by an "
+                "earlier command could not be ended. Provision a new sandbox."
+            )
+
+    def _swept_after(self, handle: str, *, already: bool) -> bool:
+        """
+        True once the keeper has swept the sandbox (or ``already`` did); False when the sandbox has
+        ended, or did not answer and was destroyed.
+        """
         import docker.errors
 
+        api = self._client().api
         try:
-            state = self._client().api.inspect_container(handle)["State"]
-        except docker.errors.NotFound:
-            self._known_expiry.pop(handle, None)
-            return False
-        return bool(state.get("Running")) and not state.get("Paused")
-
-    # -- files -----------------------------------------------------------------------------------------
-
-    def _abs(self, path: str) -> str:
-        if not isinstance(path, str):
-            raise SandboxError(f"A path must be a string, got {type(path).__name__} {path!r}.")
-        if not path:
-            raise SandboxError(
-                "The path is empty; name a file, relative to the sandbox's working directory or absolute."
+            done = already or driver.sweep(api, handle)
+        except docker.errors.APIError as err:
+            if err.status_code in (404, 409):
+                self._forget(handle)
+                return False
+            raise self._engine_error(err, "sweeping the sandbox after a command", handle) from err
+        except Exception as err:
+            raise self._engine_error(err, "sweeping the sandbox after a command", handle) from err
+        if not done:
+            if not driver.is_running(api, handle):
+                self._forget(handle)
+                return False
+            log.warning(
+                "Destroying Docker sandbox %s: its keeper did not confirm within %ss that no process of the last "
+                "command is left (something in the sandbox stopped it)",
+                handle,
+                driver.SWEEP_TIMEOUT,
             )
-        if "\0" in path:
-            raise SandboxError(f"{path!r} contains a NUL character, which no path in the sandbox can hold.")
-        if not _is_utf8(path):
+            self._destroy(handle)
+            return False
+        driver.mark_swept(handle, True)
+        return True
+
+    def _run(self, handle: str, command: str, *, timeout: float, output: OutputSink) -> RunOutcome:
+        if not driver.is_utf8(command):
+            raise SandboxError(
+                "command must be valid UTF-8 text; it holds characters that cannot be encoded (undecodable "
+                "bytes carried as surrogates)."
+            )
+        argv = driver.runner_argv(command, timeout)
+        outcome, _ = self._exec(handle, argv, timeout=float(driver.deadline_arg(timeout)), output=output)
+        return outcome
+
+    def _stream_script(
+        self,
+        handle: str,
+        program: str,
+        *args: object,
+        timeout: float,
+        on_stdout: Any = None,
+        stdin: IO[bytes] | None = None,
+        stdin_size: int = 0,
+    ) -> tuple[SandboxExecResult, int]:
+        # File operations: the shared guest programs, run as the command user like any command.
+        handle = self.check_handle(handle)
+        budget = self._deadline(handle, timeout)
+        sink = OutputSink(64 * 1024, (lambda s, d: on_stdout(d) if s == "stdout" else None) if on_stdout else None)
+        argv = ["sh", "-c", guest.program(program), program, *map(str, args)]
+        outcome, read = self._exec(handle, argv, timeout=budget, output=sink, stdin=stdin, stdin_size=stdin_size)
+        return sink.result(outcome, budget), read
+
+    def _check_path(self, path: str) -> str:
+        check_path(path)
+        if not driver.is_utf8(path):
             raise SandboxError(
                 f"{path!r} is not valid UTF-8 (it carries undecodable bytes as surrogates); paths in a Docker "
                 "sandbox must be valid UTF-8 text."
             )
-        joined = path if path.startswith("/") else posixpath.join(self.workdir, path)
-        return posixpath.normpath(joined).replace("//", "/")
-
-    def _stat(self, handle: str, path: str) -> dict[str, Any] | None:
-        """The Engine's stat of ``path`` in the container (not following a final symlink), or None if missing."""
-        import docker.errors
-        from docker.utils import decode_json_header
-
-        api = self._client().api
-        # The SDK has no call for the archive API's HEAD (the stat ``docker cp`` makes first), so
-        # it goes through the SDK's own session, URL builder and error mapping.
-        try:
-            res = api.head(api._url("/containers/{0}/archive", handle), params={"path": path}, timeout=API_TIMEOUT)
-            if res.status_code == 404 and "x-docker-container-path-stat" not in res.headers:
-                # A missing path and a missing container both answer 404; tell them apart.
-                if not self._is_running(handle):
-                    raise docker.errors.NotFound(f"No such container: {handle}")
-                return None
-            if res.status_code >= 500 and self._is_running(handle):
-                # A HEAD answer has no body; the Engine fails this way on a path through a file.
-                raise SandboxError(
-                    f"{path!r} cannot be looked up in the sandbox: a part of it is not a directory, or is "
-                    f"not accessible (status {res.status_code})."
-                )
-            api._raise_for_status(res)
-        except SandboxError:
-            raise
-        except Exception as err:
-            raise self._engine_error(err, f"looking up {path!r}", handle) from err
-        header = res.headers.get("x-docker-container-path-stat")
-        return decode_json_header(header) if header else None
-
-    def _resolve(self, handle: str, path: str) -> tuple[str, dict[str, Any] | None]:
-        """Follow symbolic links as the container sees them; return the final path and its stat (None if missing)."""
-        current = self._abs(path)
-        for _ in range(_SYMLINK_HOPS):
-            info = self._stat(handle, current)
-            if info is None or not int(info.get("mode", 0)) & _GO_MODE_SYMLINK:
-                return current, info
-            target = info.get("linkTarget") or ""
-            if not target:
-                return current, info
-            current = (
-                target
-                if target.startswith("/")
-                else posixpath.normpath(posixpath.join(posixpath.dirname(current), target))
-            )
-        raise SandboxError(f"{path!r} has too many levels of symbolic links.")
-
-    def _regular_file(self, handle: str, path: str, max_bytes: int, verb: str) -> tuple[str, int]:
-        resolved, info = self._resolve(handle, path)
-        if info is None:
-            raise SandboxError(f"{path!r} does not exist in the sandbox, or cannot be read.")
-        mode = int(info.get("mode", 0))
-        if mode & _GO_MODE_DIR:
-            raise SandboxError(f"{path!r} is a directory; list it with list_directory.")
-        if mode & _GO_MODE_TYPE:
-            raise SandboxError(f"{path!r} is not a regular file; only a regular file can be {verb}.")
-        size = int(info.get("size", 0))
-        if size > max_bytes:
-            raise SandboxFileTooLargeError(path, size, max_bytes)
-        return resolved, size
-
-    def _download(self, handle: str, resolved: str, path: str, sink: IO[bytes], max_bytes: int) -> int:
-        """Stream the one regular file at ``resolved`` into ``sink``; return the bytes written."""
-        api = self._client().api
-        try:
-            chunks, _ = api.get_archive(handle, resolved, chunk_size=CHUNK_BYTES)
-        except Exception as err:
-            raise self._engine_error(err, f"reading {path!r}", handle) from err
-        reader = io.BufferedReader(_ChunkReader(iter(chunks)), buffer_size=CHUNK_BYTES)
-        copied = 0
-        try:
-            with tarfile.open(fileobj=reader, mode="r|", bufsize=CHUNK_BYTES) as archive:
-                member = archive.next()
-                if member is None or not member.isreg():
-                    raise SandboxError(f"{path!r} is not a regular file; only a regular file can be read.")
-                if member.size > max_bytes:
-                    raise SandboxFileTooLargeError(path, member.size, max_bytes)
-                source = archive.extractfile(member)
-                assert source is not None
-                while True:
-                    piece = source.read(CHUNK_BYTES)
-                    if not piece:
-                        break
-                    copied += len(piece)
-                    sink.write(piece)
-        except SandboxError:
-            raise
-        except tarfile.TarError as err:
-            raise SandboxError(f"The Engine sent an unreadable archive for {path!r}: {err}") from err
-        except Exception as err:
-            raise self._engine_error(err, f"reading {path!r}", handle) from err
-        finally:
-            reader.close()
-        return copied
-
-    def read_file(self, handle: str, path: str, *, max_bytes: int) -> bytes:
-        """
-        Return the bytes of the regular file at ``path``; relative paths resolve in the workdir and
-        symbolic links are followed inside the container.
-
-        The size is checked before any content moves, so no more than ``max_bytes`` is transferred.
-
-        :raises SandboxFileTooLargeError: if the file holds more than ``max_bytes``.
-        :raises SandboxError: if it is missing, a directory or not a regular file.
-        :raises SandboxTerminalError: if the sandbox is gone.
-        """
-        self.check_handle(handle)
-        check_byte_count(max_bytes, "max_bytes")
-        resolved, _ = self._regular_file(handle, path, int(max_bytes), "read")
-        buffer = io.BytesIO()
-        self._download(handle, resolved, path, buffer, int(max_bytes))
-        return buffer.getvalue()
-
-    def export_file(self, handle: str, path: str, stream: IO[bytes], *, max_bytes: int) -> int:
-        """
-        Copy the regular file at ``path`` into the writable binary ``stream``; return the bytes copied.
-
-        The archive is read one 1 MiB piece at a time, so memory stays bounded for any size.
-
-        :raises SandboxFileTooLargeError: if the file holds more than ``max_bytes``.
-        :raises SandboxError: if it is missing, not a regular file, or changed while it was copied.
-        :raises SandboxTerminalError: if the sandbox is gone.
-        """
-        self.check_handle(handle)
-        check_byte_count(max_bytes, "max_bytes")
-        resolved, size = self._regular_file(handle, path, int(max_bytes), "exported")
-        copied = self._download(handle, resolved, path, stream, int(max_bytes))
-        check_export_size(path, size, copied)
-        return copied
+        return path
 
     def list_directory(self, handle: str, path: str = ".") -> list[tuple[str, bool]]:
         """
@@ -671,129 +539,21 @@ class DockerSandboxHook(ShellFiles, Attachable, SandboxHook):
 
         :raises SandboxError: if ``path`` is unusable, missing or not a directory.
         """
-        self.check_handle(handle)
-        self._abs(path)
-        return super().list_directory(handle, path)
-
-    def write_file(self, handle: str, path: str, data: bytes) -> None:
-        """
-        Write ``data`` to ``path``, creating parent directories and replacing what was there
-        (through a symbolic link, as a shell redirection would).
-
-        :raises SandboxError: if the path cannot be written (a directory there, say).
-        """
-        if isinstance(data, str):
-            data = data.encode()
-        self.import_file(handle, path, io.BytesIO(data))
-
-    def import_file(self, handle: str, path: str, source: IO[bytes]) -> int:
-        """
-        Stream ``source`` into the file at ``path`` over the archive API; return the bytes written.
-
-        A source that cannot report its size is spooled first (memory up to 8 MiB, then a temporary
-        file), because a tar header carries the size. Parent directories are created; an existing
-        file keeps its permission bits.
-
-        :raises SandboxError: if the path is a directory or cannot be written.
-        :raises SandboxTerminalError: if the sandbox is gone.
-        """
-        import docker.errors
-
-        self.check_handle(handle)
-        resolved, info = self._resolve(handle, path)
-        if info is not None and int(info.get("mode", 0)) & _GO_MODE_DIR:
-            raise SandboxError(f"{path!r} is a directory; write to a file path inside it.")
-        mode = (int(info.get("mode", 0)) & 0o7777) if info is not None else 0o644
-        parent, name = posixpath.split(resolved)
-        if not name:
-            raise SandboxError(f"{path!r} names no file.")
-        if info is None:
-            parent_info = self._stat(handle, parent)
-            if parent_info is None:
-                self._mkdir(handle, parent, path)
-            elif not int(parent_info.get("mode", 0)) & (_GO_MODE_DIR | _GO_MODE_SYMLINK):
-                raise SandboxError(f"Cannot write {path!r}: {parent!r} is not a directory.")
-        spooled: IO[bytes] | None = None
-        size = _remaining_size(source)
-        if size is None:
-            spooled = tempfile.SpooledTemporaryFile(max_size=SPOOL_MEMORY_BYTES)  # noqa: SIM115 (closed below)
-            shutil.copyfileobj(source, spooled, CHUNK_BYTES)
-            size = spooled.tell()
-            spooled.seek(0)
-            source = spooled
-        member = tarfile.TarInfo(name)
-        member.size = size
-        member.mode = mode
-        member.mtime = int(time.time())
-        sent = [0]
-
-        def body() -> Iterator[bytes]:
-            yield member.tobuf(format=tarfile.PAX_FORMAT)
-            while sent[0] < size:
-                piece = source.read(min(CHUNK_BYTES, size - sent[0]))
-                if not piece:
-                    break
-                sent[0] += len(piece)
-                yield piece
-            if sent[0] < size:  # a source that shrank; pad so the archive stays well-formed, then refuse
-                yield bytes(size - sent[0])
-            pad = (-size) % tarfile.BLOCKSIZE
-            yield bytes(pad + 2 * tarfile.BLOCKSIZE)
-
-        try:
-            self._client().api.put_archive(handle, parent, body())
-        except docker.errors.NotFound as err:
-            if not self._is_running(handle):
-                raise self._engine_error(err, f"writing {path!r}", handle) from err
-            raise SandboxError(f"Cannot write {path!r}: its directory {parent!r} is missing.") from err
-        except docker.errors.APIError as err:
-            if (err.status_code or 0) < 500 and err.status_code != 409:
-                raise SandboxError(f"Cannot write {path!r}: {err.explanation or err}") from err
-            raise self._engine_error(err, f"writing {path!r}", handle) from err
-        except Exception as err:
-            raise self._engine_error(err, f"writing {path!r}", handle) from err
-        finally:
-            if spooled is not None:
-                spooled.close()
-        if sent[0] != size:
-            raise SandboxError(f"The source for {path!r} ended after {sent[0]} of the {size} bytes it reported.")
-        return size
-
-    def _mkdir(self, handle: str, directory: str, path: str) -> None:
-        quoted = "'" + directory.replace("'", "'\\''") + "'"
-        result = self.run_command(handle, f"mkdir -p -- {quoted}", timeout=60, max_output_bytes=4096)
-        if result.sandbox_terminated:
-            raise SandboxTerminalError(f"The sandbox ended while writing {path!r}.")
-        if not result.ok:
-            detail = result.stderr.strip() or f"exit status {result.exit_code}"
-            raise SandboxError(f"Cannot create the directory for {path!r}: {detail}")
+        return super().list_directory(handle, self._check_path(path))
 
     # -- stamps ----------------------------------------------------------------------------------------
 
-    def _container_labels(self, handle: str) -> dict[str, str]:
-        self.check_handle(handle)
-        try:
-            info = self._client().api.inspect_container(handle)
-        except Exception as err:
-            raise self._engine_error(err, f"reading sandbox {handle!r}", handle) from err
-        labels = dict(info.get("Config", {}).get("Labels") or {})
-        if labels.get(SANDBOX_LABEL) != handle:
-            raise SandboxTerminalError(f"Container {handle!r} was not created by this provider; it cannot be attached.")
-        state = info.get("State") or {}
-        if not state.get("Running"):
-            raise SandboxTerminalError(f"Sandbox {handle!r} has ended (status {state.get('Status')!r}).")
-        return labels
-
     def read_tags(self, handle: str) -> Mapping[str, str]:
         """
-        Return the sandbox's stamps: owner, expiry, network and workdir from its labels, and the
-        holder (with any other changeable stamp) from the stamp file inside it; see :meth:`write_tags`.
+        Return the sandbox's stamps: the creation stamps from its labels, and the holder (with any
+        other changeable stamp) from the stamp file in the keeper's directory; see :meth:`write_tags`.
 
         :raises SandboxTerminalError: if the sandbox is missing or has ended.
         """
-        labels = self._container_labels(handle)
+        handle = self.check_handle(handle)
+        labels = self._labels(handle)
         tags = {key: labels[key] for key in _LABEL_STAMPS if key in labels}
-        self._known_expiry[handle] = _expiry_of(labels)
+        self._known_expiry[handle] = driver.expiry_of(labels)
         for key, value in self._read_stamp_file(handle).items():
             if key not in _LABEL_STAMPS:  # the labels stay the authority for what they hold
                 tags[key] = value
@@ -801,72 +561,32 @@ class DockerSandboxHook(ShellFiles, Attachable, SandboxHook):
 
     def _read_stamp_file(self, handle: str) -> dict[str, str]:
         """The changeable stamps from the file inside the sandbox; empty when there is none yet."""
-
-        def tampered(what: str) -> SandboxTerminalError:
-            return SandboxTerminalError(
+        try:
+            return driver.read_stamp_file(self._client().api, handle, TAGS_FILE, TAGS_MAX_BYTES)
+        except driver.StampFileDamaged as err:
+            raise SandboxTerminalError(
                 f"The holder stamp of Docker sandbox {handle!r} was tampered with from inside the sandbox: "
-                f"{TAGS_FILE} {what}, but the provider keeps a regular JSON file of string pairs there. Code "
-                "running in the sandbox changed it, so who holds the sandbox cannot be told. Destroy the "
+                f"{TAGS_FILE} {err}, but the provider keeps a regular JSON file of string pairs there. Code "
+                "running in the sandbox as root changed it, so who holds the sandbox cannot be told. Destroy the "
                 "sandbox and provision a new one."
-            )
-
-        try:
-            info = self._stat(handle, TAGS_FILE)
-        except SandboxTerminalError:
-            raise
-        except SandboxError:  # a part of the path is no longer a directory
-            raise tampered("cannot be looked up") from None
-        if info is None:
-            return {}
-        mode = int(info.get("mode", 0))
-        if mode & _GO_MODE_TYPE:
-            kind = "not a regular file"
-            if mode & _GO_MODE_SYMLINK:
-                kind = "a symbolic link"
-            elif mode & _GO_MODE_DIR:
-                kind = "a directory"
-            raise tampered(f"is {kind}")
-        if int(info.get("size", 0)) > TAGS_MAX_BYTES:
-            raise tampered(f"holds {int(info.get('size', 0))} bytes, more than any stamp file")
-        buffer = io.BytesIO()
-        try:
-            self._download(handle, TAGS_FILE, TAGS_FILE, buffer, TAGS_MAX_BYTES)
-        except SandboxTerminalError:
-            raise
-        except SandboxError as err:  # replaced between the look-up and the read
-            raise tampered(f"could not be read as a regular file ({err})") from None
-        try:
-            stored = json.loads(buffer.getvalue().decode("utf-8"))
-        except ValueError:  # JSON and UTF-8 errors alike
-            raise tampered("is not JSON") from None
-        if not isinstance(stored, dict) or not all(
-            isinstance(key, str) and isinstance(value, str) for key, value in stored.items()
-        ):
-            raise tampered("is JSON but not an object of string pairs")
-        return stored
+            ) from None
+        except Exception as err:
+            raise self._engine_error(err, f"reading the stamps of sandbox {handle!r}", handle) from err
 
     def write_tags(self, handle: str, tags: Mapping[str, str]) -> None:
         """
-        Replace the sandbox's changeable stamps with ``tags``.
+        Replace the sandbox's changeable stamps (the holder) with ``tags``.
 
-        Owner, expiry, network and workdir are container labels, set at create: the Engine has no
-        call that changes a container's labels, and labels are out of reach of code inside the
-        sandbox, which suits the stamps that attach checks. The holder must change after create,
-        so it (with any other stamp not among those four) lives in a small JSON file at
-        ``/.airflow-sandbox/tags.json`` inside the container, written and read over the archive
-        API. Any process that reaches the Engine can read it, it goes away with the container, and
-        it needs no store beside the Engine.
-
-        Code running in the sandbox can rewrite or delete that file, so the holder stamp is
-        attribution, not a lock: it catches one task attaching to a sandbox another still uses,
-        not a sandbox that clears its own claim. The owner, which attach checks, stays in a label
-        out of the sandbox's reach. A stamp file replaced by something other than the JSON written
-        here makes :meth:`read_tags` fail with :class:`SandboxTerminalError`.
+        The creation stamps are labels, fixed at create and out of reach of the sandbox. The holder
+        lives in ``/.airflow-sandbox/tags.json``, the keeper's private directory, over the archive
+        API: the command user cannot touch it; root commands (``run_as_root``) can, and a file they
+        spoiled makes :meth:`read_tags` raise :class:`SandboxTerminalError`.
 
         :raises SandboxTerminalError: if the sandbox is missing or ended, or ``tags`` changes or
             drops a stamp fixed at create.
         """
-        labels = self._container_labels(handle)
+        handle = self.check_handle(handle)
+        labels = self._labels(handle)
         for key in _LABEL_STAMPS:
             if labels.get(key) != tags.get(key):
                 raise SandboxTerminalError(
@@ -874,50 +594,39 @@ class DockerSandboxHook(ShellFiles, Attachable, SandboxHook):
                     f"({labels.get(key)!r}); only the holder and other stamps can change afterwards."
                 )
         changeable = {k: v for k, v in tags.items() if k not in _LABEL_STAMPS}
-        payload = json.dumps(changeable, sort_keys=True).encode()
-        archive = io.BytesIO()
-        with tarfile.open(fileobj=archive, mode="w", format=tarfile.PAX_FORMAT) as tar:
-            directory = tarfile.TarInfo(TAGS_DIR)
-            directory.type, directory.mode, directory.mtime = tarfile.DIRTYPE, 0o700, int(time.time())
-            tar.addfile(directory)
-            member = tarfile.TarInfo(TAGS_FILE.lstrip("/"))
-            member.size, member.mode, member.mtime = len(payload), 0o600, int(time.time())
-            tar.addfile(member, io.BytesIO(payload))
         try:
-            self._client().api.put_archive(handle, "/", archive.getvalue())
+            driver.write_stamp_file(self._client().api, handle, TAGS_FILE, changeable)
         except Exception as err:
             raise self._engine_error(err, f"writing the stamps of sandbox {handle!r}", handle) from err
 
     # -- finding what is left ---------------------------------------------------------------------------
 
-    def list_sandboxes(self, *, owner: str | None = None, dag_id: str | None = None) -> list[DockerSandboxInfo]:
+    def list_sandboxes(
+        self,
+        *,
+        owner: str | None = None,
+        dag_id: str | None = None,
+        run_id: str | None = None,
+        task_id: str | None = None,
+        map_index: int | None = None,
+    ) -> list[DockerSandboxInfo]:
         """
-        List this provider's sandbox containers on the Engine, running or not.
+        List this provider's sandbox containers on the Engine, in any state, with their stamps.
 
-        :param owner: only those stamped with this owner, e.g. ``dag_run_owner(context)`` for one Dag run.
-        :param dag_id: only those whose owner belongs to this Dag (``"<dag_id>/..."``).
+        :param owner: only those stamped with this owner, e.g. ``dag_run_owner(context)``.
+        :param dag_id: only those a task of this Dag made, or whose owner belongs to it (``"<dag_id>/..."``).
+        :param run_id: only those a task of this Dag run made.
+        :param task_id: only those this task made.
+        :param map_index: only those this map index made (-1 for an unmapped task).
         :raises SandboxTerminalError: if the Engine cannot be reached.
         """
-        filters: dict[str, Any] = {"label": [SANDBOX_LABEL]}
-        if owner is not None:
-            filters["label"].append(f"{OWNER_TAG}={owner}")
+        filters = driver.label_filters(owner=owner, run_id=run_id, task_id=task_id, map_index=map_index)
         try:
             found = self._client().api.containers(all=True, filters=filters)
         except Exception as err:
             raise self._engine_error(err, "listing sandboxes") from err
-        result = []
-        for item in found:
-            labels = item.get("Labels") or {}
-            handle = labels.get(SANDBOX_LABEL) or (item.get("Names") or ["?"])[0].lstrip("/")
-            found_owner = labels.get(OWNER_TAG)
-            if dag_id is not None and not (found_owner or "").startswith(dag_id + "/"):
-                continue
-            try:
-                expires: float | None = float(labels[EXPIRES_AT_TAG])
-            except (KeyError, ValueError):
-                expires = None
-            result.append(DockerSandboxInfo(handle, found_owner, expires, str(item.get("State") or "")))
-        return sorted(result, key=lambda info: info.handle)
+        infos = [driver.info_of(item) for item in found]
+        return sorted((i for i in infos if dag_id is None or i.made_in(dag_id)), key=lambda i: i.handle)
 
     def find_sandboxes(self, stamps: Mapping[str, str]) -> dict[str, dict[str, str]]:
         """This provider's containers whose labels hold every item of ``stamps``: ``{handle: labels}``."""
@@ -937,23 +646,54 @@ class DockerSandboxHook(ShellFiles, Attachable, SandboxHook):
         self, *, owner: str | None = None, dag_id: str | None = None, now: float | None = None
     ) -> list[str]:
         """
-        Remove this provider's containers that are past their lifetime, or stopped and not yet
-        removed; return their handles. The Engine normally removes them itself; this catches
-        what a restarted daemon or an interrupted removal left behind.
+        Remove this provider's containers that are past their expiry label (in any state, so also
+        one whose keeper a root command stopped), created and never started for longer than
+        ``created_grace`` seconds, or stopped and not removed; return their handles. Every
+        ``create`` runs the same sweep over the whole Engine first.
 
-        :param now: the Unix time to judge expiry by; default the current time.
+        :param now: the Unix time to judge by; default the current time.
         """
+        judged = time.time() if now is None else now
+        found = self.list_sandboxes(owner=owner, dag_id=dag_id)
+        return self._remove(driver.leftovers(found, now=judged, created_grace=self.created_grace))
+
+    def end_earlier_tries(self, trace: Mapping[str, str] | None = None) -> list[str]:
+        """
+        Destroy the sandboxes that earlier tries of this task instance provisioned (same Dag, run,
+        task and map index, a lower try number); return their handles. Sandboxes other tasks made,
+        attached ones included, are never touched.
+
+        :param trace: the task instance's stamps (``trace_stamps(context)``); default the running task's.
+            Outside a task there is none, and nothing is destroyed.
+        """
+        trace = dict(trace_stamps() if trace is None else trace)
+        if not all(trace.get(key) for key in TRACE_TAGS):
+            return []
+        found = self.list_sandboxes(run_id=trace[RUN_ID_TAG], task_id=trace[TASK_ID_TAG])
+        return self._remove(driver.earlier_tries(found, trace))
+
+    def _remove(self, leftovers: list[driver.Leftover]) -> list[str]:
         removed = []
-        for info in self.list_sandboxes(owner=owner, dag_id=dag_id):
-            if not is_named_sandbox(info.handle):
-                log.warning("Skipping container %r: its %s label is not a usable handle", info.handle, SANDBOX_LABEL)
+        for leftover in leftovers:
+            if not is_named_sandbox(leftover.handle):
+                log.warning("Skipping container %r: its %s label is no usable handle", leftover.handle, SANDBOX_LABEL)
                 continue
-            if info.expired(now) or info.status in ("exited", "dead"):
-                self.destroy(info.handle)
-                removed.append(info.handle)
-        if removed:
-            log.info("Removed %d leftover Docker sandboxes: %s", len(removed), ", ".join(removed))
+            self._destroy(leftover.handle)
+            log.info("Removed Docker sandbox %s: %s", leftover.handle, leftover.reason)
+            removed.append(leftover.handle)
         return removed
+
+    def _sweep_engine(self, stamps: Mapping[str, str]) -> None:
+        """
+        What every create does first: remove the Engine's leftovers, and the sandboxes earlier tries of
+        the creating task instance left (``stamps`` name it). A failure to sweep never stops the create.
+        """
+        try:
+            self.remove_expired()
+            if int(stamps.get(TRY_NUMBER_TAG) or 1) > 1:
+                self.end_earlier_tries(stamps)
+        except (SandboxError, ValueError):
+            log.warning("Could not sweep leftover Docker sandboxes on %s", self._where, exc_info=True)
 
     # -- connection test -------------------------------------------------------------------------------
 
@@ -975,53 +715,6 @@ class DockerSandboxHook(ShellFiles, Attachable, SandboxHook):
             f"Docker Engine {version.get('Version', '?')} (API {version.get('ApiVersion', '?')}) answered at "
             f"{self._where}; {image_note}."
         )
-
-
-def _flag(value: Any) -> bool | None:
-    """A boolean extra as the connection form or a JSON string may give it."""
-    if value is None or value == "":
-        return None
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
-
-
-def _expiry_of(labels: Mapping[str, str]) -> float:
-    """The Unix time a sandbox ends, from its expiry label; infinity when it carries no usable one."""
-    try:
-        expires = float(labels[EXPIRES_AT_TAG])
-    except (KeyError, ValueError):
-        return math.inf
-    return math.inf if math.isnan(expires) else expires
-
-
-def _deadline_arg(seconds: float) -> str:
-    """The deadline as coreutils ``timeout`` reads it, rounded up to whole milliseconds and never 0."""
-    # The small allowance keeps float noise (1.1 * 1000 = 1100.0000000000002) from adding a millisecond.
-    millis = max(math.ceil(seconds * 1000 - 1e-6), round(MIN_COMMAND_SECONDS * 1000))
-    return f"{millis // 1000}.{millis % 1000:03d}"
-
-
-def _is_utf8(text: str) -> bool:
-    """False for a string carrying undecodable bytes as surrogates (``os.fsdecode`` of non-UTF-8 names)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _remaining_size(source: IO[bytes]) -> int | None:
-    """Bytes left in a seekable source, or None when it cannot tell."""
-    try:
-        if not source.seekable():
-            return None
-        here = source.tell()
-        end = source.seek(0, io.SEEK_END)
-        source.seek(here)
-        return end - here
-    except (AttributeError, OSError, ValueError):
-        return None
 
 
 #: The same class, under the name the public sandbox guide uses for backends.

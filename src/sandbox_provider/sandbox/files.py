@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
 import re
+import shutil
+import tempfile
+from collections.abc import Callable
 from typing import IO
 
 from sandbox_provider.sandbox import guest
@@ -22,6 +26,7 @@ from sandbox_provider.sandbox.spec import SandboxExecResult, check_byte_count, c
 __all__ = [
     "LIST_OUTPUT_BYTES",
     "ShellFiles",
+    "StreamFiles",
     "check_export_size",
     "file_failure",
     "file_status_error",
@@ -205,3 +210,125 @@ def _decode(text: str, path: str) -> bytes:
         return base64.b64decode(text, validate=False)
     except (binascii.Error, ValueError) as err:
         raise SandboxError(f"Could not decode {path!r} from the sandbox.") from err
+
+
+class StreamFiles:
+    """
+    Mixin: file operations over the guest programs, with the bytes on the standard streams of a
+    program run in the sandbox (no base64), for backends that can stream both ways. The backend
+    implements :meth:`_stream_script`. Put it before :class:`ShellFiles` (which still lists
+    directories) and :class:`~sandbox_provider.sandbox.hook.SandboxHook` in the bases.
+    """
+
+    #: An export runs at least this fast (bytes per second) or times out.
+    min_transfer_rate: int = 8 * 1024 * 1024
+
+    def _stream_script(
+        self,
+        handle: str,
+        program: str,
+        *args: object,
+        timeout: float,
+        on_stdout: Callable[[bytes], None] | None = None,
+        stdin: IO[bytes] | None = None,
+        stdin_size: int = 0,
+    ) -> tuple[SandboxExecResult, int]:
+        """
+        Run the guest program ``program`` with ``args``: standard output to ``on_stdout``, and
+        exactly ``stdin_size`` bytes of ``stdin`` as standard input when given. Returns the result
+        (its stdout is not kept) and the bytes read from ``stdin``.
+        """
+        raise NotImplementedError
+
+    def _check_path(self, path: str) -> str:
+        """The backend's own path check on top of :func:`check_path`; override to add one."""
+        return check_path(path)
+
+    def read_file(self, handle: str, path: str, *, max_bytes: int) -> bytes:
+        """See :meth:`SandboxHook.read_file`; the size cap is enforced inside the sandbox."""
+        self._check_path(path)
+        check_byte_count(max_bytes, "max_bytes")
+        chunks: list[bytes] = []
+        seen = [0]
+
+        def keep(data: bytes) -> None:
+            seen[0] += len(data)
+            if seen[0] <= max_bytes:
+                chunks.append(data)
+
+        result, _ = self._stream_script(
+            handle, "file.sh", path, int(max_bytes), "head", timeout=FILE_OP_TIMEOUT, on_stdout=keep
+        )
+        size = reported_size(result.stderr)
+        if result.exit_code == guest.TOO_LARGE_STATUS or seen[0] > max_bytes:
+            raise SandboxFileTooLargeError(path, max(size or 0, seen[0]), max_bytes)
+        if not result.ok:
+            raise file_failure(result, path, "reading")
+        return b"".join(chunks)
+
+    def export_file(self, handle: str, path: str, stream: IO[bytes], *, max_bytes: int) -> int:
+        """See :meth:`SandboxHook.export_file`; at most ``max_bytes + 1`` bytes reach ``stream``."""
+        self._check_path(path)
+        check_byte_count(max_bytes, "max_bytes")
+        copied = [0]
+
+        def write(data: bytes) -> None:
+            room = max_bytes + 1 - copied[0]
+            copied[0] += len(data)
+            if room > 0:
+                stream.write(data[:room])
+
+        allowance = max(FILE_OP_TIMEOUT, max_bytes / self.min_transfer_rate)
+        result, _ = self._stream_script(
+            handle, "file.sh", path, int(max_bytes), "head", timeout=allowance, on_stdout=write
+        )
+        if copied[0] > max_bytes:
+            raise SandboxFileTooLargeError(path, max(reported_size(result.stderr) or 0, copied[0]), max_bytes)
+        check_export_size(path, checked_size(result, path, max_bytes, "exporting"), copied[0])
+        return copied[0]
+
+    def import_file(self, handle: str, path: str, source: IO[bytes]) -> int:
+        """
+        See :meth:`SandboxHook.import_file`: the bytes go to a temporary sibling renamed over
+        ``path``, so a reader never sees half a file and a symlink at ``path`` is replaced. A
+        source that cannot tell its size is spooled first (memory up to 8 MiB, then disk).
+        """
+        self._check_path(path)
+        spooled: IO[bytes] | None = None
+        size = _remaining_size(source)
+        if size is None:
+            spooled = tempfile.SpooledTemporaryFile(max_size=SPOOL_MEMORY_BYTES)  # noqa: SIM115 (closed below)
+            shutil.copyfileobj(source, spooled, 1024 * 1024)
+            size = spooled.tell()
+            spooled.seek(0)
+            source = spooled
+        try:
+            allowance = max(FILE_OP_TIMEOUT, size / self.min_transfer_rate)
+            result, read = self._stream_script(
+                handle, "write.sh", "stdin", path, size, timeout=allowance, stdin=source, stdin_size=size
+            )
+        finally:
+            if spooled is not None:
+                spooled.close()
+        if not result.ok:
+            raise file_failure(result, path, "writing")
+        if read != size:
+            raise SandboxError(f"The source for {path!r} ended after {read} of the {size} bytes it reported.")
+        return size
+
+
+#: Sources that cannot tell their size are spooled in memory up to this size, then on disk.
+SPOOL_MEMORY_BYTES = 8 * 1024 * 1024
+
+
+def _remaining_size(source: IO[bytes]) -> int | None:
+    """Bytes left in a seekable source, or None when it cannot tell."""
+    try:
+        if not source.seekable():
+            return None
+        here = source.tell()
+        end = source.seek(0, io.SEEK_END)
+        source.seek(here)
+        return end - here
+    except (AttributeError, OSError, ValueError):
+        return None

@@ -9,6 +9,8 @@ DEFAULT_SANDBOX_TIMEOUT = 3600
 DEFAULT_CPUS = 1.0
 DEFAULT_MEMORY_BYTES = 1024**3
 DEFAULT_PIDS_LIMIT = 512
+#: The user commands run as by default: an id no account of a common image has.
+DEFAULT_SANDBOX_UID = 65432
 
 SETTINGS = SettingsTable(
     Setting(
@@ -16,7 +18,7 @@ SETTINGS = SettingsTable(
         str,
         DEFAULT_IMAGE,
         label="Default image",
-        help="Image the sandboxes run; it needs sh, sleep and coreutils timeout. When the Engine does not have it, "
+        help="Image the sandboxes run; it needs sh, sleep, cp, chmod, chown, mkdir and coreutils timeout. When the Engine does not have it, "
         "it is pulled from its registry (the hook's pull='missing'): an Engine without registry access needs an "
         "image it already has, e.g. airflow-sandbox-python:bookworm from scripts/docker/prepare.sh.",
     ),
@@ -48,6 +50,35 @@ SETTINGS = SettingsTable(
         help="Seconds a sandbox may live; after it, the Engine stops and removes the container.",
         unit="seconds",
         minimum=1,
+    ),
+    Setting(
+        "sandbox_uid",
+        int,
+        DEFAULT_SANDBOX_UID,
+        label="Command user id",
+        help="User id commands and file operations run as, with no capabilities; pick one no account of the "
+        "image uses. Its group id is the same number.",
+        minimum=1,
+        maximum=2**31 - 2,
+    ),
+    Setting(
+        "run_as_root",
+        bool,
+        False,
+        label="Run commands as root",
+        help="Run commands as root with a few capabilities (for jobs that install packages). Root commands can "
+        "stop the sandbox's keeper; the lifetime is then enforced only by the sweep at each create and by "
+        "remove_expired(). Not for untrusted code.",
+    ),
+    Setting(
+        "disk_bytes",
+        int,
+        label="Disk limit (bytes)",
+        help="Most bytes a sandbox may write to its filesystem, through the Engine's storage-opt size. Only "
+        "some storage drivers support it (overlay2 on xfs with pquota, btrfs, zfs, devicemapper); elsewhere "
+        "create refuses. btrfs counts the image's files in it too. Default: no limit.",
+        unit="bytes",
+        minimum=1024 * 1024,
     ),
     Setting(
         "tls_ca_cert",

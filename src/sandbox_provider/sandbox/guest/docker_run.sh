@@ -1,27 +1,17 @@
-# Wraps every command. ``timeout`` SIGKILLs the command's process group at the deadline; then, and
-# also when the command ends by itself, every orphan the container's init adopted is killed, round
-# after round, so background jobs, nohup'd and setsid'd processes do not outlive the command (as
-# they cannot on the local backend, whose PID namespace ends with the command). The container's
-# main ``sleep`` is the oldest child of init, which no process can fake; it is spared. Zombies are
-# left to init to reap. Positional arguments: the deadline in seconds, then the command.
-timeout -s KILL "$1" sh -c "$2"
+# Runs one command in a Docker sandbox, as the command user (root only with the opt-in).
+#
+#   $1  the deadline in seconds, as coreutils timeout reads it (never 0, which it reads as none)
+#   $2  the command, for sh -c
+#
+# At the deadline timeout SIGKILLs the command's shell. In the foreground mode timeout does not kill
+# its own process group, itself included, so no shell reports "Killed" on top of the command's own
+# output. When the command is over, by itself or at the deadline, one kill(-1) ends every other
+# process this user has in the container: background jobs, nohup and setsid daemons, fork bombs.
+# (As root it ends every process but PID 1, the keeper, which kill(-1) never reaches.) The hook
+# runs this with the keeper's copy of sh, which the command cannot trace; a command that kills or
+# stops this script instead leaves a status over 127 or an exec past its deadline, and then the
+# hook has the keeper sweep the sandbox.
+timeout --foreground -s KILL "$1" sh -c "$2"
 rc=$?
-sweep() {
-  main=""; oldest=""; found=""
-  for d in /proc/[0-9]*; do
-    read -r s < "$d/stat" 2>/dev/null || continue
-    s=${s##*) }; set -- $s
-    [ "$2" = 1 ] || continue
-    if [ -z "$oldest" ] || [ "${20}" -lt "$oldest" ]; then oldest=${20}; main=${d#/proc/}; fi
-  done
-  for d in /proc/[0-9]*; do
-    read -r s < "$d/stat" 2>/dev/null || continue
-    s=${s##*) }; set -- $s
-    [ "$2" = 1 ] && [ "$1" != Z ] && [ "${d#/proc/}" != "$main" ] || continue
-    kill -9 "${d#/proc/}" 2>/dev/null && found=1
-  done
-  [ -n "$found" ]
-}
-i=0
-while sweep && [ "$i" -lt 50 ]; do i=$((i + 1)); sleep 0.05; done
+kill -KILL -1 2>/dev/null
 exit "$rc"

@@ -1,6 +1,7 @@
 # Write a file atomically: the bytes go to a temporary sibling first, renamed over the path at the
 # end, so a reader never sees half a file and a symlink at the path is replaced, not followed.
-#   stdin PATH          copy standard input to PATH
+#   stdin PATH [SIZE]   copy standard input to PATH; with SIZE, exactly SIZE bytes of it (for a
+#                       caller that cannot close the stream after them)
 #   start PATH          print the name of a new temporary sibling of PATH (parents made)
 #   append TMP B64      append the base64 text B64, decoded, to TMP
 #   concat TMP PART     append the file PART to TMP, then remove PART (for pieces a file API wrote)
@@ -10,7 +11,7 @@ mode=$1
 case $mode in
   stdin)
     d=$(dirname -- "$2") && mkdir -p -- "$d" && t=$(mktemp "$d/.sandbox-write.XXXXXX") || exit 1
-    if cat > "$t" && mv -fT -- "$t" "$2"; then exit 0; fi
+    if { if [ -n "$3" ]; then head -c "$3"; else cat; fi; } > "$t" && mv -fT -- "$t" "$2"; then exit 0; fi
     rm -f -- "$t"; exit 1 ;;
   start)
     d=$(dirname -- "$2") && mkdir -p -- "$d" && mktemp "$d/.sandbox-write.XXXXXX" ;;
