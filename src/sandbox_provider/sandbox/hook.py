@@ -34,6 +34,7 @@ from sandbox_provider.sandbox.spec import (
     WORKDIR_TAG,
     SandboxExecResult,
     SandboxSpec,
+    StreamTotals,
     check_byte_count,
     check_handle,
     check_positive,
@@ -171,16 +172,24 @@ class OutputSink:
     def result(self, outcome: RunOutcome, applied_timeout: float) -> SandboxExecResult:
         if self.callback_error is not None:
             raise self.callback_error
+        stdout, stdout_totals = self._tail(self.out)
+        stderr, stderr_totals = self._tail(self.err)
         return SandboxExecResult(
             exit_code=int(outcome.exit_code),
-            stdout=self.out.text(whole_lines=self.whole_lines),
-            stderr=self.err.text(whole_lines=self.whole_lines),
+            stdout=stdout,
+            stderr=stderr,
             timed_out=bool(outcome.timed_out),
             stdout_truncated=self.out.truncated,
             stderr_truncated=self.err.truncated,
             sandbox_terminated=bool(outcome.sandbox_terminated),
             applied_timeout=applied_timeout if outcome.applied_timeout is None else outcome.applied_timeout,
+            stdout_totals=stdout_totals,
+            stderr_totals=stderr_totals,
         )
+
+    def _tail(self, buffer: TailBuffer) -> tuple[str, StreamTotals]:
+        text, at_line = buffer.tail(whole_lines=self.whole_lines)
+        return text, StreamTotals(bytes=buffer.total, lines=buffer.lines, tail_at_line_start=at_line)
 
 
 def check_command(command: Any) -> str:

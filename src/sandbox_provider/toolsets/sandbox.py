@@ -26,12 +26,11 @@ from sandbox_provider.sandbox.hook import SandboxHook
 from sandbox_provider.sandbox.options import SessionOptions
 from sandbox_provider.sandbox.output import (
     MASK_MARGIN_BYTES,
+    command_output,
     file_window,
     format_size,
     head_lines,
-    mask_stream,
     mask_text,
-    tail_lines,
 )
 from sandbox_provider.sandbox.session import SandboxSession
 from sandbox_provider.sandbox.spec import OWNER_TAG, SandboxSpec, check_byte_count, check_positive
@@ -523,12 +522,6 @@ class SandboxToolset(AbstractToolset[Any]):
             raise ModelRetry(mask_text(f"{self._tool_name(op)} failed: {err}")) from None
         return mask_text(text)
 
-    def _shape(self, text: str, *, cut: bool) -> str:
-        # Mask before any cut of ours, so no cut can split a secret the masker would have caught;
-        # the backend kept MASK_MARGIN_BYTES more than is shown, for what a cut of its own needs.
-        text = mask_stream(text, cut=cut)
-        return tail_lines(text, max_lines=self.max_output_lines, max_bytes=self.max_output_bytes, already_cut=cut)
-
     def _command_seconds(self) -> tuple[float, float]:
         """The default and the longest deadline of a command, in seconds, within what the backend allows."""
         cap = getattr(getattr(self.backend, "capabilities", None), "max_command_seconds", None)
@@ -548,26 +541,9 @@ class SandboxToolset(AbstractToolset[Any]):
             ):
                 raise ModelRetry(f"timeout_seconds must be a number of seconds above 0, got {timeout_seconds!r}.")
             budget = min(float(timeout_seconds), longest)
+        # The backend keeps MASK_MARGIN_BYTES more than is shown, for what masking after its cut needs.
         result = session.run(command, timeout=budget, max_output_bytes=self.max_output_bytes + MASK_MARGIN_BYTES)
-        sections = []
-        if result.stdout:
-            sections.append("[stdout]\n" + self._shape(result.stdout, cut=result.stdout_truncated))
-        if result.stderr:
-            sections.append("[stderr]\n" + self._shape(result.stderr, cut=result.stderr_truncated))
-        text = "\n".join(s.rstrip("\n") for s in sections) if sections else "(no output)"
-        notes = []
-        if result.timed_out:
-            applied = result.applied_timeout if result.applied_timeout is not None else budget
-            notes.append(f"[timed out after {applied:g}s]")
-        elif result.exit_code != 0:
-            notes.append(f"[exit code: {result.exit_code}]")
-            if result.exit_code == 127:
-                notes.append("[127 usually means the command is not installed in this sandbox; use another tool]")
-        if result.applied_timeout is not None and not result.timed_out and result.applied_timeout < budget:
-            notes.append(f"[the sandbox allowed only {result.applied_timeout:g}s for this command]")
-        if result.sandbox_terminated:
-            notes.append("[the sandbox was replaced: files from earlier calls are gone]")
-        return text + ("\n" + " ".join(notes) if notes else "")
+        return command_output(result, timeout=budget, max_lines=self.max_output_lines, max_bytes=self.max_output_bytes)
 
     def _read_file(self, session: SandboxSession, path: str, offset: Any, limit: Any) -> str:
         start = 1 if offset is None else offset
