@@ -691,25 +691,6 @@ def test_tool_definitions(local):
     assert defs["py_run_command"].parameters_json_schema["required"] == ["command"]
 
 
-@pytest.mark.parametrize(
-    ("spec", "expected"),
-    [
-        (SandboxSpec(block_network=False), "The sandbox can reach the network."),
-        (
-            SandboxSpec(allow_egress_to=["pypi.org", "files.pythonhosted.org"]),
-            "only the hosts pypi.org and files.pythonhosted.org;",
-        ),
-        (
-            SandboxSpec(allow_egress_to_cidrs=["203.0.113.0/24"]),
-            "only the address ranges 203.0.113.0/24 (any port);",
-        ),
-    ],
-)
-def test_network_note(local, spec, expected):
-    description = SandboxToolset(local, spec=spec).tool_definitions()[0].description
-    assert expected in description
-
-
 # -- the example Dags, offline, under dag.test() ---------------------------------------------------------
 
 NORMALIZE_BROKEN = """\

@@ -23,6 +23,7 @@ from airflow.sdk import BaseHook
 
 from sandbox_provider.sandbox.connection_test import connection_test_origin
 from sandbox_provider.sandbox.errors import SandboxError, SandboxHandleError, SandboxTerminalError
+from sandbox_provider.sandbox.network import NetworkReach, describe_reach
 from sandbox_provider.sandbox.output import TailBuffer
 from sandbox_provider.sandbox.settings import ConnectionForm, SettingsTable
 from sandbox_provider.sandbox.spec import (
@@ -74,6 +75,8 @@ class Capabilities:
         the backend can pass; None for no limit of its own.
     :param max_command_seconds: the longest deadline a command can get; longer ones are cut to it.
     :param advice: a sentence added to every refusal: what a user of this backend can do instead.
+    :param network: what each network mode lets through here (ports, protocols, DNS), in the words
+        an agent's tool description gives; see :class:`~sandbox_provider.sandbox.network.NetworkReach`.
     """
 
     no_network: bool = True
@@ -83,6 +86,7 @@ class Capabilities:
     max_env_bytes: int | None = 128 * 1024
     max_command_seconds: float | None = None
     advice: str = ""
+    network: NetworkReach = NetworkReach()
 
 
 @dataclass(frozen=True)
@@ -310,11 +314,28 @@ class SandboxHook(BaseHook):
 
     def describe_network(self, spec: SandboxSpec) -> str | None:
         """
-        A sentence for an agent on what a sandbox made from ``spec`` can reach, when this backend
-        enforces something the generic wording would misstate (a port, a host-wide policy); None
-        for the generic one.
+        Override point: what a sandbox made from ``spec`` can reach, in sentences for an agent, when
+        ``capabilities.network`` cannot say it (the wording depends on a setting, say); None (the
+        default) for the wording built from ``capabilities.network``.
         """
         return None
+
+    def network_description(self, spec: SandboxSpec) -> str:
+        """
+        What a sandbox made from ``spec`` can reach on this backend, in sentences for an agent (the
+        ``run_command`` description): :meth:`describe_network`, else the wording built from
+        ``capabilities.network``; for a setting the backend refuses, the refusal. Nothing is contacted.
+        """
+        network = SandboxSpec(
+            block_network=spec.block_network,
+            allow_egress_to=spec.allow_egress_to,
+            allow_egress_to_cidrs=spec.allow_egress_to_cidrs,
+        )
+        try:
+            self.check_spec(network)
+        except SandboxTerminalError as err:
+            return f"No sandbox is provisioned with this network setting: {err}"
+        return self.describe_network(network) or describe_reach(self.capabilities.network, network)
 
     def _remaining_lifetime(self, handle: str) -> float | None:
         """Seconds the sandbox has left, or None when unknown. Default: what this hook learnt at create."""

@@ -16,6 +16,7 @@ __all__ = [
     "file_window",
     "format_size",
     "head_lines",
+    "listing",
     "longest_secret_bytes",
     "mask_text",
     "secret_margin_bytes",
@@ -128,6 +129,11 @@ def tail_text(text: str, max_chars: int) -> str:
     if len(text) <= max_chars:
         return text
     return "[... earlier output cut]\n" + text[len(text) - max_chars :]
+
+
+def listing(items: list[str]) -> str:
+    """Join words for a sentence: ``a``, ``a and b``, ``a, b and c``."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def format_size(n: int) -> str:

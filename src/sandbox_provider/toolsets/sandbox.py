@@ -30,6 +30,7 @@ from sandbox_provider.sandbox.output import (
     file_window,
     format_size,
     head_lines,
+    listing,
     mask_text,
 )
 from sandbox_provider.sandbox.session import SandboxSession
@@ -83,34 +84,6 @@ def _schema(op: str) -> dict[str, Any]:
         prop.pop("title", None)
     schema["additionalProperties"] = False
     return schema
-
-
-def _listing(items: list[str]) -> str:
-    if len(items) == 1:
-        return items[0]
-    return ", ".join(items[:-1]) + " and " + items[-1]
-
-
-def network_note(spec: SandboxSpec) -> str:
-    """Tell the model, in a sentence or two, what the sandbox described by ``spec`` can reach."""
-    if not spec.block_network:
-        return "The sandbox can reach the network."
-    hosts = list(spec.allow_egress_to or [])
-    cidrs = list(spec.allow_egress_to_cidrs or [])
-    if not hosts and not cidrs:
-        return (
-            "The sandbox has no network access at all, not even DNS: installing packages or downloading "
-            "anything will fail, so work with what is already installed."
-        )
-    reach = []
-    if hosts:
-        reach.append(f"the hosts {_listing(hosts)}")
-    if cidrs:
-        reach.append(f"the address ranges {_listing(cidrs)} (any port)")
-    return (
-        f"The sandbox can reach only {' and '.join(reach)}; every other destination fails, so installing "
-        "packages from elsewhere will not work."
-    )
 
 
 def lifetime_note(remaining: float | None) -> str:
@@ -373,11 +346,6 @@ class SandboxToolset(AbstractToolset[Any]):
 
     # -- what the model sees ---------------------------------------------------------------------------
 
-    def _network_note(self, spec: SandboxSpec) -> str:
-        """The backend's own account of what ``spec`` lets through, when it gives one; else the generic note."""
-        describe = getattr(self.backend, "describe_network", None)
-        return (describe(spec) if callable(describe) else None) or network_note(spec)
-
     def _run_command_description(self) -> str:
         if self._description is not None:
             return self._description
@@ -406,7 +374,7 @@ class SandboxToolset(AbstractToolset[Any]):
                 "this run for a later task to collect."
             )
             if attached is not None and attached.network is not None:
-                parts.append(self._network_note(attached.network))
+                parts.append(self.backend.network_description(attached.network))
             else:
                 parts.append(
                     "Its network access is whatever the task that provisioned it allowed; test before relying on it."
@@ -414,9 +382,9 @@ class SandboxToolset(AbstractToolset[Any]):
             if attached is not None:
                 parts.append(lifetime_note(attached.remaining_lifetime))
         else:
-            parts.append(self._network_note(self.spec or SandboxSpec()))
+            parts.append(self.backend.network_description(self.spec or SandboxSpec()))
             if self.exports:
-                names = _listing([repr(p) for p in self.exports])
+                names = listing([repr(p) for p in self.exports])
                 verb = "is" if len(self.exports) == 1 else "are"
                 parts.append(
                     f"When this run ends, {names} {verb} copied out of the sandbox and everything else is "
