@@ -36,6 +36,11 @@ from sandbox_provider.sandbox.output import (
 from sandbox_provider.sandbox.session import SandboxSession
 from sandbox_provider.sandbox.spec import OWNER_TAG, SandboxSpec, check_byte_count, check_positive
 from sandbox_provider.sandbox.transfer import DEFAULT_MAX_EXPORT_BYTES
+from sandbox_provider.toolsets._agent_guards import (
+    explain_refused_approval,
+    present_to_agent_operator,
+    refuse_unsafe_agent_features,
+)
 
 __all__ = ["SandboxToolset"]
 
@@ -295,6 +300,7 @@ class SandboxToolset(AbstractToolset[Any]):
         if self._depth:
             self._depth += 1
             return
+        refuse_unsafe_agent_features(attached=self._attach_mode)
         session = self._new_session()
         session.open()
         self._session = session
@@ -331,6 +337,8 @@ class SandboxToolset(AbstractToolset[Any]):
     async def __aexit__(self, exc_type=None, exc=None, tb=None) -> bool | None:
         handling = sys.exc_info()[1]
         failed = exc_type is not None or (handling is not None and handling is not self._exc_at_enter)
+        if failed and not self._attach_mode:
+            explain_refused_approval(exc if exc is not None else handling)
         await asyncio.to_thread(self._close, failed=failed)
         return None
 
@@ -556,3 +564,8 @@ class SandboxToolset(AbstractToolset[Any]):
                 f"shell command such as ls -p {target} | tail -n +{len(kept) + 1}]"
             )
         return text
+
+
+# AgentOperator applies its durable, review and approval guards to the toolsets it recognises as
+# sandbox toolsets; this makes it recognise this one (see toolsets/_agent_guards.py).
+present_to_agent_operator(SandboxToolset)
