@@ -119,6 +119,15 @@ class SandboxToolset(AbstractToolset[Any]):
     Outside pydantic-ai, open it with ``with toolset:`` or ``async with toolset:`` and call
     :meth:`call` (or :meth:`acall`) with a tool name and its arguments.
 
+    With common-ai's ``AgentOperator`` it is a ``SandboxToolset`` to the operator's guards (it
+    registers as a virtual subclass of common-ai's class): ``durable=True`` is refused with it,
+    ``enable_hitl_review=True`` unless it is attached, when the Dag is parsed, and a tool that needs
+    approval fails the task unless it is attached. Built per run by a function, where the operator
+    cannot see it, it refuses ``durable`` and unattached review itself when the run opens it.
+
+    The ``run_command`` description says what the sandbox can reach, in the backend's words
+    (``backend.network_description(spec)``), and results read the same on every backend.
+
     A mistake the model can fix (a bad path, a file over the read limit, a bad timeout) goes back
     to it as a retry prompt; what it cannot fix (provisioning, credentials, an attached sandbox
     that ended) raises :class:`~sandbox_provider.sandbox.errors.SandboxTerminalError` and fails the
