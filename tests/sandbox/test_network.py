@@ -7,6 +7,7 @@ from typing import ClassVar
 import pytest
 
 from fake_hook import FakeSandboxHook
+from sandbox_provider.hooks import hook_classes
 from sandbox_provider.hooks.docker import DockerSandboxHook
 from sandbox_provider.hooks.local import LocalSandboxHook
 from sandbox_provider.hooks.modal import ModalSandboxHook
@@ -141,3 +142,36 @@ def test_an_undeclared_backend_promises_only_what_the_contract_does(tmp_path):
     # block_network=True is "no egress, DNS included" by the contract: a backend that cannot, refuses it.
     assert hook.network_description(BLOCKED).startswith("This sandbox has no network access at all, not even DNS,")
     assert "is up to the backend, so test before relying on" in hook.network_description(HOSTS)
+
+
+# -- every backend describes every spec ------------------------------------------------------------------
+
+GENERIC = ("is up to the backend", "has outbound network access.")
+
+
+@pytest.mark.parametrize("hook_class", hook_classes(), ids=lambda cls: cls.name)
+@pytest.mark.parametrize("spec", [BLOCKED, OPEN, HOSTS, CIDRS, BOTH], ids=["blocked", "open", "hosts", "cidrs", "both"])
+def test_every_backend_words_every_setting_it_accepts_in_its_own_terms(hook_class, spec):
+    # A new backend in HOOK_CLASSES fails here until it says what each mode it accepts lets through.
+    text = hook_class().network_description(spec)
+    assert text.startswith(("This sandbox ", "The sandbox ", "No sandbox is provisioned with this network setting: "))
+    if not text.startswith("No sandbox"):
+        assert not any(phrase in text for phrase in GENERIC), text
+
+
+def test_islo_and_boat():
+    from sandbox_provider.hooks.boat import BoatSandboxHook
+    from sandbox_provider.hooks.islo import IsloSandboxHook
+
+    islo, boat = IsloSandboxHook(), BoatSandboxHook()
+    assert islo.network_description(BLOCKED) == (
+        "This sandbox has no outbound network access: Islo has turned the sandbox's internet access off, " + NO_INSTALLS
+    )
+    assert islo.network_description(OPEN) == (
+        "This sandbox has outbound internet access, turned on by Islo for the whole sandbox: no host or port is "
+        "narrowed."
+    )
+    assert boat.network_description(OPEN) == (
+        "This sandbox has open outbound network access, Boat's only mode: no host or port is narrowed."
+    )
+    assert "The Boat backend cannot enforce a blocked network" in boat.network_description(BLOCKED)
