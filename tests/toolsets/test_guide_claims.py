@@ -17,7 +17,7 @@ from pydantic_ai import Agent
 from pydantic_ai.exceptions import UserError
 from pydantic_ai.messages import RetryPromptPart
 
-from conftest import docker_unavailable, requires_bwrap
+from conftest import requires_bwrap
 from fake_hook import FakeSandboxHook
 from sandbox_provider.hooks.local import LocalSandboxHook
 from sandbox_provider.sandbox import SandboxSpec, SandboxTerminalError
@@ -31,6 +31,12 @@ except ImportError:  # tests/ is not a package: its folders are on sys.path inst
     import fake_modal
 
 pytestmark = requires_bwrap
+
+try:  # the hosted stand-ins' fixtures, when their SDKs are installed
+    from tests.hooks.fake_boat import boat_hook, boat_service  # noqa: F401
+    from tests.hooks.fake_islo import islo_hook, islo_service  # noqa: F401
+except ImportError:
+    pass
 
 MIB = 1024 * 1024
 
@@ -72,23 +78,28 @@ def modal_fake(monkeypatch, tmp_path):
     return mod, ModalSandboxHook(modal_conn_id=None, workdir=str(tmp_path / "workspace"))
 
 
-@pytest.fixture(params=["local", "docker", "modal"])
+@pytest.fixture(params=["local", "docker", "modal", "islo", "boat"])
 def backend(request, local):
-    """Each backend the claims that depend on one are walked against: (name, hook, fake modal module or None)."""
-    if request.param == "local":
-        return "local", local, None
-    if request.param == "docker":
-        try:
-            conn = request.getfixturevalue("docker_conn")
-        except pytest.skip.Exception:
-            raise
-        except Exception as err:  # noqa: BLE001 - no engine here
-            docker_unavailable(str(err))
+    """
+    Each backend the claims that depend on one are walked against: (name, hook, spec, fake modal
+    module or None). Docker is real; Modal, Islo and Boat are their real SDKs over stand-ins.
+    """
+    name = request.param
+    if name == "local":
+        return name, local, SandboxSpec(), None
+    if name == "docker":
         from sandbox_provider.hooks.docker import DockerSandboxHook
 
-        return "docker", DockerSandboxHook(conn), None
-    mod, hook = request.getfixturevalue("modal_fake")
-    return "modal", hook, mod
+        return name, DockerSandboxHook(request.getfixturevalue("docker_conn")), SandboxSpec(), None
+    if name == "modal":
+        mod, hook = request.getfixturevalue("modal_fake")
+        return name, hook, SandboxSpec(), mod
+    pytest.importorskip({"islo": "islo", "boat": "boat_sdk"}[name])
+    from tests.hooks import fake_boat, fake_islo  # noqa: F401 - their fixtures, registered below
+
+    make = request.getfixturevalue(f"{name}_hook")
+    # Boat cannot block egress: its sandboxes are open, and the toolset must say so.
+    return name, make(), SandboxSpec(block_network=name != "boat"), None
 
 
 # -- "A SandboxToolset gives an agent a sandbox with no network access and none of Airflow's credentials,
@@ -160,7 +171,7 @@ def test_default_sandbox_has_no_network_no_credentials_and_is_deleted(local, sta
     ids=["blocked", "open", "cidrs"],
 )
 def test_the_description_carries_the_backends_own_account_of_the_network(backend, spec):
-    _name, hook, _mod = backend
+    _name, hook, _spec, _mod = backend
     description = SandboxToolset(hook, spec=spec).tool_definitions()[0].description
     assert hook.network_description(spec) in description
 
@@ -367,7 +378,7 @@ GUIDE_SEQUENCE = [
 
 
 def test_failures_go_back_to_the_model_in_the_guides_shape(backend, request):
-    name, hook, mod = backend
+    name, hook, spec, mod = backend
     if name == "docker":
         request.applymarker(
             pytest.mark.xfail(
@@ -392,7 +403,7 @@ def test_failures_go_back_to_the_model_in_the_guides_shape(backend, request):
             return [("run_command", {"command": "echo partial; exit 3"})]
 
         script.steps[1] = queue
-    run(script, SandboxToolset(hook))
+    run(script, SandboxToolset(hook, spec=spec))
     assert script.texts()[1:] == GUIDE_SEQUENCE
 
 
@@ -461,7 +472,7 @@ def test_a_failed_delete_is_logged_and_does_not_fail_the_task(state_root, caplog
 
 
 def test_truncation_counts_are_exact(backend):
-    _name, hook, _mod = backend
+    _name, hook, spec, _mod = backend
     script = run(
         Script(
             [("run_command", {"command": "seq 1 60000"})],
@@ -469,7 +480,7 @@ def test_truncation_counts_are_exact(backend):
             [("run_command", {"command": "head -c 5242880 /dev/zero | tr '\\0' x"})],
             "done",
         ),
-        SandboxToolset(hook),
+        SandboxToolset(hook, spec=spec),
     )
     lines, size, one_line = script.texts()
     written = int(size.split("\n")[1])

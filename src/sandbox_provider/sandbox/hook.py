@@ -160,6 +160,14 @@ class OutputSink:
     def stderr(self, data: bytes | str) -> None:
         self._write("stderr", self.err, data)
 
+    def stream_totals(self, stream: str, *, total_bytes: int, newlines: int) -> None:
+        """
+        For a backend whose vendor or guest program passes on only the tail of a stream: what the
+        command wrote to ``stream`` (``"stdout"`` or ``"stderr"``) in all, ``total_bytes`` bytes
+        and ``newlines`` newline characters, so the tail is marked truncated and counted exactly.
+        """
+        (self.out if stream == "stdout" else self.err).account(total_bytes=total_bytes, newlines=newlines)
+
     def _write(self, stream: str, buffer: TailBuffer, data: bytes | str) -> None:
         if isinstance(data, str):
             data = data.encode("utf-8", "replace")

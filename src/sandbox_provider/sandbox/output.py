@@ -68,6 +68,19 @@ class TailBuffer:
             del self._buf[:cut]
             self.truncated = True
 
+    def account(self, *, total_bytes: int, newlines: int) -> None:
+        """
+        Take a producer's count of the whole stream, when what was written here is only its tail
+        (a guest program that keeps the output and replays the end): ``total_bytes`` bytes and
+        ``newlines`` newline characters in all. Whether that tail began a line is then not known,
+        so it is taken as not.
+        """
+        if total_bytes > self.total:
+            self.truncated = True
+            self._head_at_line = False
+        self.total = max(self.total, int(total_bytes))
+        self.newlines = max(self.newlines, int(newlines))
+
     @property
     def lines(self) -> int:
         """Lines written: newline characters, plus one for a last line without one."""
