@@ -78,28 +78,53 @@ def modal_fake(monkeypatch, tmp_path):
     return mod, ModalSandboxHook(modal_conn_id=None, workdir=str(tmp_path / "workspace"))
 
 
-@pytest.fixture(params=["local", "docker", "modal", "islo", "boat"])
-def backend(request, local):
+@pytest.fixture(params=["local", "docker", "modal", "islo", "boat", "sbx", "openshell"])
+def backend(request, local, tmp_path, monkeypatch):
     """
     Each backend the claims that depend on one are walked against: (name, hook, spec, fake modal
-    module or None). Docker is real; Modal, Islo and Boat are their real SDKs over stand-ins.
+    module or None). Docker is real; sbx is its CLI's stand-in over real containers; Modal, Islo,
+    Boat and OpenShell are their real SDKs over stand-ins.
     """
     name = request.param
     if name == "local":
-        return name, local, SandboxSpec(), None
-    if name == "docker":
+        yield name, local, SandboxSpec(), None
+    elif name == "docker":
         from sandbox_provider.hooks.docker import DockerSandboxHook
 
-        return name, DockerSandboxHook(request.getfixturevalue("docker_conn")), SandboxSpec(), None
-    if name == "modal":
+        yield name, DockerSandboxHook(request.getfixturevalue("docker_conn")), SandboxSpec(), None
+    elif name == "modal":
         mod, hook = request.getfixturevalue("modal_fake")
-        return name, hook, SandboxSpec(), mod
-    pytest.importorskip({"islo": "islo", "boat": "boat_sdk"}[name])
-    from tests.hooks import fake_boat, fake_islo  # noqa: F401 - their fixtures, registered below
+        yield name, hook, SandboxSpec(), mod
+    elif name in ("islo", "boat"):
+        pytest.importorskip({"islo": "islo", "boat": "boat_sdk"}[name])
+        make = request.getfixturevalue(f"{name}_hook")
+        # Boat cannot block egress: its sandboxes are open, and the toolset must say so.
+        yield name, make(), SandboxSpec(block_network=name != "boat"), None
+    elif name == "sbx":
+        from conftest import DOCKER_IMAGE
+        from hooks.sbx_fixtures import sbx_standin
+        from sandbox_provider.hooks.sbx import SbxSandboxHook
 
-    make = request.getfixturevalue(f"{name}_hook")
-    # Boat cannot block egress: its sandboxes are open, and the toolset must say so.
-    return name, make(), SandboxSpec(block_network=name != "boat"), None
+        request.getfixturevalue("docker_client")
+        with sbx_standin(tmp_path / "sbx", DOCKER_IMAGE) as standin:
+            yield name, SbxSandboxHook(sbx_path=standin.path, host_network_policy="deny-all", memory="1g"), None, None
+    else:
+        pytest.importorskip("openshell")
+        from hooks.openshell_gateway import FakeGateway
+        from sandbox_provider.hooks.openshell import OpenShellSandboxHook
+
+        gateway = FakeGateway(tmp_path / "gateway").start()
+        host, port = gateway.endpoint.split(":")
+        monkeypatch.setenv(
+            "AIRFLOW_CONN_OPENSHELL_CLAIMS", f'{{"conn_type": "sandbox_openshell", "host": "{host}", "port": {port}}}'
+        )
+        monkeypatch.setattr(OpenShellSandboxHook, "poll_interval", 0.01)
+        hook = OpenShellSandboxHook("openshell_claims")
+        try:
+            yield name, hook, SandboxSpec(), None
+        finally:
+            hook.close()
+            gateway.stop()
 
 
 # -- "A SandboxToolset gives an agent a sandbox with no network access and none of Airflow's credentials,
