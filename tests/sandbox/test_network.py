@@ -154,7 +154,7 @@ GENERIC = ("is up to the backend", "has outbound network access.")
 def test_every_backend_words_every_setting_it_accepts_in_its_own_terms(hook_class, spec):
     # A new backend in HOOK_CLASSES fails here until it says what each mode it accepts lets through.
     text = hook_class().network_description(spec)
-    assert text.startswith(("This sandbox ", "The sandbox ", "No sandbox is provisioned with this network setting: "))
+    assert text.startswith(("This sandbox", "The sandbox", "No sandbox is provisioned with this network setting: "))
     if not text.startswith("No sandbox"):
         assert not any(phrase in text for phrase in GENERIC), text
 
