@@ -157,16 +157,31 @@ def _per_run(hook, **kwargs):
     ids=["durable", "review"],
 )
 def test_a_toolset_built_per_run_is_refused_before_any_tool_runs(
-    migrated_airflow_db, scripted_llm, local, state_root, capfd, flags, refusal
+    migrated_airflow_db, scripted_llm, local, state_root, monkeypatch, flags, refusal
 ):
+    from sandbox_provider.toolsets import sandbox as toolset_module
+
+    raised: list[BaseException] = []
+    guard = toolset_module.refuse_unsafe_agent_features
+
+    def watched(**kwargs):
+        try:
+            guard(**kwargs)
+        except BaseException as err:
+            raised.append(err)
+            raise
+
+    monkeypatch.setattr(toolset_module, "refuse_unsafe_agent_features", watched)
+    # Before Airflow 3.3 a durable run keeps its journal in object storage, which must be configured.
+    monkeypatch.setenv("AIRFLOW__COMMON_AI__DURABLE_CACHE_PATH", (state_root.parent / "durable").as_uri())
     script = scripted_llm(Script([("write_file", {"path": "notes.txt", "content": "x"})], "done"))
     with new_dag("per_run") as dag:
         agent(toolsets=[DynamicToolset(_per_run(local), id="sandbox")], hitl_poll_interval=0.1, **flags)
     dag_run = run_dag(dag)
     assert states(dag_run) == {"agent": "failed"}
+    assert [str(err) for err in raised] == [refusal]  # what failed the task, in its words
     assert script.results == [] and len(script.steps) == 2  # the model was never asked, no tool ran
     assert standing(state_root) == []
-    assert refusal in capfd.readouterr().out  # the task log: the error that failed the task
 
 
 def test_the_run_time_guard_lets_review_through_with_an_attached_sandbox(local, state_root, monkeypatch):
