@@ -65,3 +65,23 @@ def independent_carrier_stats() -> dict[str, dict[str, float]]:
         }
         for c in flights
     }
+
+
+def run_dag_defined_here(dag, **run_conf):
+    """
+    Run with dag.test() a Dag a test module defines, which no Dag bundle holds: its serialized form is
+    written to the database first, under the configured Dag folder's bundle, as a Dag processor would.
+    """
+    import tempfile
+
+    from airflow.dag_processing.bundles.manager import DagBundlesManager
+    from airflow.dag_processing.dagbag import DagBag, sync_bag_to_db
+
+    manager = DagBundlesManager()
+    manager.sync_bundles_to_db()
+    bundle = next(iter(manager.get_all_dag_bundles())).name
+    with tempfile.TemporaryDirectory() as empty:
+        bag = DagBag(dag_folder=empty)
+    bag.bag_dag(dag)
+    sync_bag_to_db(bag, bundle, None)
+    return dag.test(run_conf=run_conf or None)

@@ -39,6 +39,7 @@ def test_passes_output_and_exit_status_through(guest):
     assert (status.exit_code, status.timed_out) == (3, False)
     assert (status.stdout, status.stderr) == ("out", "err")
     assert (status.stdout_bytes, status.stderr_bytes) == (3, 3)
+    assert (status.stdout_newlines, status.stderr_newlines) == (0, 0)
 
 
 def test_output_ending_in_a_newline_keeps_it(guest):
@@ -59,6 +60,7 @@ def test_replays_only_the_tail_and_counts_everything(guest):
     assert status.stderr == "49999\n50000\n"[-12:]
     assert status.stdout_bytes == len("".join(f"{i}\n" for i in range(1, 100001)))
     assert status.stderr_bytes == len("".join(f"{i}\n" for i in range(1, 50001)))
+    assert (status.stdout_newlines, status.stderr_newlines) == (100000, 50000)
 
 
 def test_the_deadline_stops_the_command(guest, tmp_path):
@@ -175,13 +177,13 @@ def test_sigterm_to_the_wrapper_stops_the_command_and_cleans_up(guest, tmp_path)
 
 
 def test_status_line_parsing():
-    assert parse_status("o", "e\nairflow-sandbox-status 0 0 1 1\n").stderr == "e"
+    assert parse_status("o", "e\nairflow-sandbox-status 0 0 1 1 0 0\n").stderr == "e"
     # the last status line wins, so a command cannot forge one that hides the real one
-    forged = "airflow-sandbox-status 0 0 0 0\n"
-    assert parse_status("", f"\n{forged}\nairflow-sandbox-status 9 1 0 31\n").exit_code == 9
+    forged = "airflow-sandbox-status 0 0 0 0 0 0\n"
+    assert parse_status("", f"\n{forged}\nairflow-sandbox-status 9 1 0 31 0 2\n").exit_code == 9
     assert parse_status("", "no status here") is None
-    assert parse_status("", "\nairflow-sandbox-status 0 0 1\n") is None
-    assert parse_status("", "\nairflow-sandbox-status 0 0 1 x\n") is None
+    assert parse_status("", "\nairflow-sandbox-status 0 0 1 1 0\n") is None
+    assert parse_status("", "\nairflow-sandbox-status 0 0 1 1 0 x\n") is None
 
 
 def test_the_deadline_is_rounded_up_to_hundredths():

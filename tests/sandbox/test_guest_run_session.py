@@ -179,6 +179,21 @@ class TestSweep:
         assert (result.returncode, result.stdout) == (0, b"ok\n")
         assert [pid for pid in pids_in(pidfile) if alive(pid)] == []
 
+    def test_a_process_named_with_a_newline_is_swept_and_the_status_kept(self, tmp_path):
+        # Its /proc stat line then spans two lines: read as one, it must not stop the sweep (which
+        # would leave the process running and put the wrapper's own error in the output).
+        pidfile = tmp_path / "renamed.pids"
+        rename = (
+            "import ctypes, os, time\n"
+            "if os.fork() == 0:\n"
+            "    ctypes.CDLL(None).prctl(15, b'x) S 1\\nevil', 0, 0, 0)\n"
+            f"    open('{pidfile}', 'w').write(str(os.getpid()))\n"
+            "    time.sleep(300)\n"
+        )
+        result = run(f'python3 -c "{rename}" >/dev/null 2>&1 & sleep 0.5; echo partial; exit 3', 120)
+        assert (result.returncode, result.stdout, result.stderr) == (3, b"partial\n", b"")
+        assert [pid for pid in pids_in(pidfile) if alive(pid)] == []
+
     def test_the_timer_does_not_outlive_a_quick_command(self):
         for _ in range(5):
             assert run("true", "297.25").returncode == 0

@@ -38,6 +38,8 @@ class DeadlineRun:
     :param stderr: the replayed tail of its stderr, the status line removed.
     :param stdout_bytes: bytes the command wrote to stdout in all.
     :param stderr_bytes: bytes it wrote to stderr in all.
+    :param stdout_newlines: newline characters it wrote to stdout in all.
+    :param stderr_newlines: newline characters it wrote to stderr in all.
     """
 
     exit_code: int
@@ -46,6 +48,8 @@ class DeadlineRun:
     stderr: str
     stdout_bytes: int
     stderr_bytes: int
+    stdout_newlines: int = 0
+    stderr_newlines: int = 0
 
 
 def wrapper_argv(command: str, *, deadline: float, kill_after: int, keep_bytes: int, login: bool) -> list[str]:
@@ -85,9 +89,9 @@ def parse_status(stdout: str, stderr: str) -> DeadlineRun | None:
     if not sep:
         return None
     fields = line.split()
-    if len(fields) != 4 or not all(f.isdigit() for f in fields) or line.rstrip("\n") != " ".join(fields):
+    if len(fields) != 6 or not all(f.isdigit() for f in fields) or line.rstrip("\n") != " ".join(fields):
         return None
-    status, late, out_bytes, err_bytes = (int(f) for f in fields)
+    status, late, out_bytes, err_bytes, out_lines, err_lines = (int(f) for f in fields)
     return DeadlineRun(
         exit_code=status,
         timed_out=late == 1,
@@ -95,17 +99,17 @@ def parse_status(stdout: str, stderr: str) -> DeadlineRun | None:
         stderr=head,
         stdout_bytes=out_bytes,
         stderr_bytes=err_bytes,
+        stdout_newlines=out_lines,
+        stderr_newlines=err_lines,
     )
 
 
 def replay(run: DeadlineRun, output: Any, keep_bytes: int) -> None:
     """
-    Write what the guest program replayed into ``output`` (an ``OutputSink``), and mark a stream
-    truncated when the command wrote more than the ``keep_bytes`` that were replayed of it.
+    Write what the guest program replayed into ``output`` (an ``OutputSink``), with what the
+    command wrote in all, so a stream the guest cut reads as truncated and its notes count exactly.
     """
     output.stdout(run.stdout)
     output.stderr(run.stderr)
-    if run.stdout_bytes > keep_bytes:
-        output.out.truncated = True
-    if run.stderr_bytes > keep_bytes:
-        output.err.truncated = True
+    output.stream_totals("stdout", total_bytes=run.stdout_bytes, newlines=run.stdout_newlines)
+    output.stream_totals("stderr", total_bytes=run.stderr_bytes, newlines=run.stderr_newlines)

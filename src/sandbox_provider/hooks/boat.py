@@ -48,6 +48,7 @@ from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 from sandbox_provider.sandbox.files import ShellFiles, file_failure
 from sandbox_provider.sandbox.hook import Capabilities, OutputSink, ProvisionRequest, RunOutcome, SandboxHook
+from sandbox_provider.sandbox.network import NetworkReach
 from sandbox_provider.sandbox.spec import SandboxSpec, check_byte_count, check_path
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,9 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
         egress_hosts=False,
         egress_cidrs=False,
         max_command_seconds=MAX_COMMAND_SECONDS,
+        network=NetworkReach(
+            open="has open outbound network access, Boat's only mode: no host or port is narrowed",
+        ),
         advice=(
             "Boat gives every sandbox open outbound access and cannot block or narrow it: pass "
             "SandboxSpec(block_network=False) to accept an open network, or use a backend that enforces the "

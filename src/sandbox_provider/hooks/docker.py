@@ -37,13 +37,8 @@ from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.attach import Attachable
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 from sandbox_provider.sandbox.files import ShellFiles, StreamFiles
-from sandbox_provider.sandbox.hook import (
-    Capabilities,
-    OutputSink,
-    ProvisionRequest,
-    RunOutcome,
-    SandboxHook,
-)
+from sandbox_provider.sandbox.hook import Capabilities, OutputSink, ProvisionRequest, RunOutcome, SandboxHook
+from sandbox_provider.sandbox.network import NetworkReach
 from sandbox_provider.sandbox.spec import (
     EXPIRES_AT_TAG,
     NETWORK_TAG,
@@ -120,6 +115,14 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
     display_name: ClassVar[str] = "Docker"
     capabilities = Capabilities(
         max_command_seconds=MAX_COMMAND_SECONDS,
+        network=NetworkReach(
+            blocked="has no network access at all, not even DNS: its container has only a loopback interface",
+            open=(
+                "has outbound network access through the Docker network the backend is set to ('bridge' unless its "
+                "network setting names another): any host and port the Docker host can reach, DNS included, and "
+                "other containers on that network"
+            ),
+        ),
         advice=(
             "Drop the allow lists to keep the network blocked, set block_network=False to give the sandbox the open "
             "network of the connection's Docker network, or use a backend that enforces allow lists."

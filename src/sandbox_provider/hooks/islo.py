@@ -40,6 +40,7 @@ from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
 from sandbox_provider.sandbox.files import ShellFiles, check_export_size, checked_size, file_failure
 from sandbox_provider.sandbox.hook import Capabilities, OutputSink, ProvisionRequest, RunOutcome, SandboxHook
+from sandbox_provider.sandbox.network import NetworkReach
 from sandbox_provider.sandbox.spec import DEFAULT_WORKDIR, SandboxSpec, check_byte_count, check_path, check_workdir
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,10 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
     capabilities = Capabilities(
         egress_hosts=False,
         egress_cidrs=False,
+        network=NetworkReach(
+            blocked="has no outbound network access: Islo has turned the sandbox's internet access off",
+            open="has outbound internet access, turned on by Islo for the whole sandbox: no host or port is narrowed",
+        ),
         advice=(
             "Islo turns a sandbox's outbound access on or off and cannot narrow it to hosts or address ranges, so "
             "keeping only the block would drop what you asked for: drop the allowlists and keep "

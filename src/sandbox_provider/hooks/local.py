@@ -54,6 +54,7 @@ from sandbox_provider.sandbox.hook import (
     RunOutcome,
     SandboxHook,
 )
+from sandbox_provider.sandbox.network import NetworkReach
 from sandbox_provider.sandbox.spec import (
     DEFAULT_WORKDIR,
     NETWORK_TAG,
@@ -120,6 +121,13 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
         # Each entry is three bubblewrap arguments (--setenv NAME VALUE, even through --args), and bwrap takes
         # at most 9000 in all.
         max_env_entries=2500,
+        network=NetworkReach(
+            blocked="has no network access at all, not even DNS: it has only a loopback interface of its own",
+            open=(
+                "shares the worker's network: it reaches whatever the worker reaches, on any port and DNS included, "
+                "and localhost is the worker's, so services listening there answer too"
+            ),
+        ),
         advice=(
             "A sandbox here has either no network or the worker's. Stage what the job needs with inputs or files and "
             "keep block_network=True, pass SandboxSpec(block_network=False) to accept open egress, or use a backend "

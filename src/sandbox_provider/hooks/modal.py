@@ -40,6 +40,7 @@ from sandbox_provider.sandbox.hook import (
     RunOutcome,
     SandboxHook,
 )
+from sandbox_provider.sandbox.network import NetworkReach
 from sandbox_provider.sandbox.output import StreamDrain, TailBuffer
 from sandbox_provider.sandbox.spec import (
     DEFAULT_WORKDIR,
@@ -126,7 +127,28 @@ class ModalSandboxHook(Attachable, SandboxHook):
 
     name = "modal"
     display_name = "Modal"
-    capabilities = Capabilities(egress_hosts=True, egress_cidrs=True, max_command_seconds=MAX_SANDBOX_TIMEOUT)
+    capabilities = Capabilities(
+        egress_hosts=True,
+        egress_cidrs=True,
+        max_command_seconds=MAX_SANDBOX_TIMEOUT,
+        network=NetworkReach(
+            blocked="has no network access at all, not even DNS",
+            open=(
+                "has outbound network access on any port, DNS included, except to Modal's metadata endpoint and "
+                "private address ranges"
+            ),
+            hosts=(
+                "only HTTPS (TLS) on port 443 reaches them, matched by the server name in the TLS handshake, so plain "
+                "HTTP and every other port fail or hang; DNS answers for every name, and a site served from the same "
+                "TLS endpoint as a listed host can be reached too"
+            ),
+            cidrs=(
+                "any port and protocol reaches addresses in them; DNS answers for every name, but only addresses in "
+                "these ranges can be reached"
+            ),
+            both="Port 443 also reaches any address whose TLS server name is one of the listed hosts.",
+        ),
+    )
     handle_pattern = re.compile(r"sb-[A-Za-z0-9_-]{1,128}")
     handle_shape = "a Modal sandbox id: those start with 'sb-'"
     handle_example = "sb-a1b2c3d4e5f6"

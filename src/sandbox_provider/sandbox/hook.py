@@ -23,6 +23,7 @@ from airflow.sdk import BaseHook
 
 from sandbox_provider.sandbox.connection_test import connection_test_origin
 from sandbox_provider.sandbox.errors import SandboxError, SandboxHandleError, SandboxTerminalError
+from sandbox_provider.sandbox.network import NetworkReach, describe_reach
 from sandbox_provider.sandbox.output import TailBuffer
 from sandbox_provider.sandbox.settings import ConnectionForm, SettingsTable
 from sandbox_provider.sandbox.spec import (
@@ -34,6 +35,7 @@ from sandbox_provider.sandbox.spec import (
     WORKDIR_TAG,
     SandboxExecResult,
     SandboxSpec,
+    StreamTotals,
     check_byte_count,
     check_handle,
     check_positive,
@@ -75,6 +77,8 @@ class Capabilities:
         its own.
     :param max_command_seconds: the longest deadline a command can get; longer ones are cut to it.
     :param advice: a sentence added to every refusal: what a user of this backend can do instead.
+    :param network: what each network mode lets through here (ports, protocols, DNS), in the words
+        an agent's tool description gives; see :class:`~sandbox_provider.sandbox.network.NetworkReach`.
     """
 
     no_network: bool = True
@@ -85,6 +89,7 @@ class Capabilities:
     max_env_entries: int | None = None
     max_command_seconds: float | None = None
     advice: str = ""
+    network: NetworkReach = NetworkReach()
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,14 @@ class OutputSink:
     def stderr(self, data: bytes | str) -> None:
         self._write("stderr", self.err, data)
 
+    def stream_totals(self, stream: str, *, total_bytes: int, newlines: int) -> None:
+        """
+        For a backend whose vendor or guest program passes on only the tail of a stream: what the
+        command wrote to ``stream`` (``"stdout"`` or ``"stderr"``) in all, ``total_bytes`` bytes
+        and ``newlines`` newline characters, so the tail is marked truncated and counted exactly.
+        """
+        (self.out if stream == "stdout" else self.err).account(total_bytes=total_bytes, newlines=newlines)
+
     def _write(self, stream: str, buffer: TailBuffer, data: bytes | str) -> None:
         if isinstance(data, str):
             data = data.encode("utf-8", "replace")
@@ -174,16 +187,24 @@ class OutputSink:
     def result(self, outcome: RunOutcome, applied_timeout: float) -> SandboxExecResult:
         if self.callback_error is not None:
             raise self.callback_error
+        stdout, stdout_totals = self._tail(self.out)
+        stderr, stderr_totals = self._tail(self.err)
         return SandboxExecResult(
             exit_code=int(outcome.exit_code),
-            stdout=self.out.text(whole_lines=self.whole_lines),
-            stderr=self.err.text(whole_lines=self.whole_lines),
+            stdout=stdout,
+            stderr=stderr,
             timed_out=bool(outcome.timed_out),
             stdout_truncated=self.out.truncated,
             stderr_truncated=self.err.truncated,
             sandbox_terminated=bool(outcome.sandbox_terminated),
             applied_timeout=applied_timeout if outcome.applied_timeout is None else outcome.applied_timeout,
+            stdout_totals=stdout_totals,
+            stderr_totals=stderr_totals,
         )
+
+    def _tail(self, buffer: TailBuffer) -> tuple[str, StreamTotals]:
+        text, at_line = buffer.tail(whole_lines=self.whole_lines)
+        return text, StreamTotals(bytes=buffer.total, lines=buffer.lines, tail_at_line_start=at_line)
 
 
 def check_command(command: Any) -> str:
@@ -304,11 +325,28 @@ class SandboxHook(BaseHook):
 
     def describe_network(self, spec: SandboxSpec) -> str | None:
         """
-        A sentence for an agent on what a sandbox made from ``spec`` can reach, when this backend
-        enforces something the generic wording would misstate (a port, a host-wide policy); None
-        for the generic one.
+        Override point: what a sandbox made from ``spec`` can reach, in sentences for an agent, when
+        ``capabilities.network`` cannot say it (the wording depends on a setting, say); None (the
+        default) for the wording built from ``capabilities.network``.
         """
         return None
+
+    def network_description(self, spec: SandboxSpec) -> str:
+        """
+        What a sandbox made from ``spec`` can reach on this backend, in sentences for an agent (the
+        ``run_command`` description): :meth:`describe_network`, else the wording built from
+        ``capabilities.network``; for a setting the backend refuses, the refusal. Nothing is contacted.
+        """
+        network = SandboxSpec(
+            block_network=spec.block_network,
+            allow_egress_to=spec.allow_egress_to,
+            allow_egress_to_cidrs=spec.allow_egress_to_cidrs,
+        )
+        try:
+            self.check_spec(network)
+        except SandboxTerminalError as err:
+            return f"No sandbox is provisioned with this network setting: {err}"
+        return self.describe_network(network) or describe_reach(self.capabilities.network, network)
 
     def _remaining_lifetime(self, handle: str) -> float | None:
         """Seconds the sandbox has left, or None when unknown. Default: what this hook learnt at create."""

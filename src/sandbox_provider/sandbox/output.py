@@ -3,23 +3,32 @@
 from __future__ import annotations
 
 import codecs
+import signal
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from sandbox_provider.sandbox.spec import SandboxExecResult, StreamTotals
 
 __all__ = [
     "LineLog",
     "TailBuffer",
     "StreamDrain",
+    "command_output",
     "drop_head_bytes",
     "file_window",
     "format_size",
     "head_lines",
+    "listing",
     "longest_secret_bytes",
     "mask_text",
-    "tail_lines",
+    "secret_margin_bytes",
+    "stream_tail",
     "tail_text",
 ]
+
+
+_NEWLINE = 0x0A
 
 
 class TailBuffer:
@@ -27,46 +36,87 @@ class TailBuffer:
     Keep the last ``limit`` bytes written to it, and remember whether anything was dropped.
 
     Memory stays within about twice ``limit`` however much is written, so a command that prints
-    gigabytes costs the worker a bounded amount.
+    gigabytes costs the worker a bounded amount. It also counts everything written (``total``
+    bytes, :attr:`lines`) and whether the kept tail begins at the start of a line, so a reader can
+    say exactly what the tail leaves out.
     """
 
     def __init__(self, limit: int) -> None:
         self.limit = max(0, int(limit))
         self._buf = bytearray()
         self.total = 0
+        self.newlines = 0
         self.truncated = False
+        self._last: int | None = None  # the last byte written, None before any
+        self._head_at_line = True  # the first kept byte starts a line
 
     def write(self, data: bytes) -> None:
+        if not data:
+            return
+        before = self._last
         self.total += len(data)
+        self.newlines += data.count(b"\n")
+        self._last = data[-1]
         if len(data) >= self.limit:
             if self._buf or len(data) > self.limit:
                 self.truncated = True
-            self._buf = bytearray(data[len(data) - self.limit :]) if self.limit else bytearray()
+            cut = len(data) - self.limit
+            self._head_at_line = data[cut - 1] == _NEWLINE if cut else before in (None, _NEWLINE)
+            self._buf = bytearray(data[cut:]) if self.limit else bytearray()
             return
         self._buf += data
         if len(self._buf) > 2 * self.limit:
-            del self._buf[: len(self._buf) - self.limit]
+            cut = len(self._buf) - self.limit
+            self._head_at_line = self._buf[cut - 1] == _NEWLINE
+            del self._buf[:cut]
             self.truncated = True
+
+    def account(self, *, total_bytes: int, newlines: int) -> None:
+        """
+        Take a producer's count of the whole stream, when what was written here is only its tail
+        (a guest program that keeps the output and replays the end): ``total_bytes`` bytes and
+        ``newlines`` newline characters in all. Whether that tail began a line is then not known,
+        so it is taken as not.
+        """
+        if total_bytes > self.total:
+            self.truncated = True
+            self._head_at_line = False
+        self.total = max(self.total, int(total_bytes))
+        self.newlines = max(self.newlines, int(newlines))
+
+    @property
+    def lines(self) -> int:
+        """Lines written: newline characters, plus one for a last line without one."""
+        return self.newlines + (1 if self._last not in (None, _NEWLINE) else 0)
+
+    def _kept(self) -> tuple[bytes, bool]:
+        """The kept bytes (at most ``limit``) and whether they begin at the start of a line."""
+        if len(self._buf) <= self.limit:
+            return bytes(self._buf), self._head_at_line
+        self.truncated = True
+        cut = len(self._buf) - self.limit
+        return bytes(self._buf[cut:]), self._buf[cut - 1] == _NEWLINE
 
     def getvalue(self) -> bytes:
-        if len(self._buf) > self.limit:
-            self.truncated = True
-            return bytes(self._buf[len(self._buf) - self.limit :])
-        return bytes(self._buf)
+        return self._kept()[0]
 
-    def text(self, *, whole_lines: bool = False) -> str:
+    def tail(self, *, whole_lines: bool = False) -> tuple[str, bool]:
         """
-        The kept bytes decoded as UTF-8; a character cut at the start is replaced, not fatal.
+        The kept bytes decoded as UTF-8 (a character cut at the start is replaced, not fatal), and
+        whether that text begins at the start of a line.
 
-        :param whole_lines: after a cut, drop the partial first line too, when that still leaves
-            most of what was kept.
+        :param whole_lines: drop a partial first line, when that still leaves most of what was kept.
         """
-        data = self.getvalue()
-        if whole_lines and self.truncated:
+        data, at_line = self._kept()
+        if whole_lines and not at_line:
             cut = data.find(b"\n")
             if 0 <= cut < len(data) // 2:
-                data = data[cut + 1 :]
-        return data.decode("utf-8", errors="replace")
+                data, at_line = data[cut + 1 :], True
+        return data.decode("utf-8", errors="replace"), at_line
+
+    def text(self, *, whole_lines: bool = False) -> str:
+        """The kept bytes decoded as UTF-8; see :meth:`tail`."""
+        return self.tail(whole_lines=whole_lines)[0]
 
 
 class StreamDrain(threading.Thread):
@@ -159,6 +209,11 @@ def tail_text(text: str, max_chars: int) -> str:
     return "[... earlier output cut]\n" + text[len(text) - max_chars :]
 
 
+def listing(items: list[str]) -> str:
+    """Join words for a sentence: ``a``, ``a and b``, ``a, b and c``."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
 def format_size(n: int) -> str:
     """Format a byte count for people: ``512B``, ``1.5KB``, ``5.0MB`` (1024-based)."""
     size = float(n)
@@ -214,48 +269,132 @@ def _utf8_len(text: str) -> int:
     return len(text.encode("utf-8"))
 
 
-def tail_lines(text: str, *, max_lines: int, max_bytes: int, already_cut: bool = False) -> str:
+def _line_count(text: str) -> int:
+    return text.count("\n") + (1 if text and not text.endswith("\n") else 0)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def stream_tail(
+    text: str, *, max_lines: int, max_bytes: int, totals: StreamTotals | None = None, cut: bool = False
+) -> str:
     """
-    Keep the end of ``text`` under both ``max_lines`` lines and ``max_bytes`` UTF-8 bytes.
+    What a reader is shown of one output stream: the end of ``text`` (the tail its producer kept),
+    with the secrets Airflow knows masked, under ``max_lines`` lines and ``max_bytes`` UTF-8 bytes
+    (newlines between lines included).
 
-    Whole lines are kept, newest last; only when the last line alone is wider than ``max_bytes``
-    is its tail kept instead. Anything dropped (or ``already_cut``, when the producer dropped
-    bytes before this saw them) is announced on a first line that says how to see more.
+    Whole lines are kept, newest last; only when the last line alone is wider than ``max_bytes`` is
+    the end of it shown instead. When anything is left out, a first line says exactly how many
+    lines and bytes of the stream are not shown, counted from ``totals``, and how to see them.
 
-    :param max_lines: lines kept at most (positive).
-    :param max_bytes: bytes kept at most, newlines included (positive).
-    :returns: ``text`` unchanged when it fits and nothing was cut upstream.
+    Secrets are masked before anything is cut. A first line whose start the producer dropped is
+    never shown whole, and its first bytes never: a secret split by that cut cannot be recognised.
+
+    Counts are of the stream as written, except in a line shown only in part that held a masked
+    secret: there the bytes count the masked text.
+
+    :param totals: what the command wrote to the stream in all; None when the producer did not
+        count, and then a note after a producer's cut gives lower bounds ("at least").
+    :param cut: the producer dropped part of the stream (a result's ``*_truncated`` flag).
+    :returns: ``text`` masked, and otherwise unchanged when it fits and nothing was dropped.
     """
     if not text:
         return text
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-        trailing_newline = True
+    counted = totals is not None
+    if totals is None:
+        totals = StreamTotals(bytes=_utf8_len(text), lines=_line_count(text), tail_at_line_start=not cut)
+    lines = mask_text(text).split("\n")
+    raw_lines = text.split("\n")
+    if len(raw_lines) != len(lines):  # a masked secret held a newline: count what is shown instead
+        raw_lines = lines
+    trailing = lines[-1] == ""
+    if trailing:
+        lines, raw_lines = lines[:-1], raw_lines[:-1]
+    first_whole = 0 if totals.tail_at_line_start else 1
+    newest_first, _ = head_lines(lines[first_whole:][::-1], max_lines=max_lines, max_bytes=max_bytes)
+    shown = len(newest_first)
+    partial = ""
+    if shown:
+        body = "\n".join(lines[len(lines) - shown :]) + ("\n" if trailing else "")
+        shown_bytes = sum(_utf8_len(line) for line in raw_lines[len(raw_lines) - shown :]) + shown - 1 + trailing
     else:
-        trailing_newline = False
-    newest_first, dropped = head_lines(lines[::-1], max_lines=max_lines, max_bytes=max_bytes)
-    kept = newest_first[::-1]
-    if not kept and lines:
-        kept = [_utf8_tail(lines[-1], max_bytes)]
-        dropped = len(lines) - 1
-        partial = True
-    else:
-        partial = False
-    if not dropped and not partial and not already_cut:
-        return text
-    body = "\n".join(kept) + ("\n" if trailing_newline and kept else "")
-    if dropped or partial:
-        what = f"{dropped} earlier line(s)" if dropped else "the start of the last line"
-        if dropped and partial:
-            what += " and the start of the last one"
-        note = (
-            f"[... {what} not shown; limits are {max_lines} lines and {format_size(max_bytes)}. "
-            "Send the output to a file and read it in parts, or filter it with grep, head or tail.]"
+        room = max_bytes
+        if first_whole and len(lines) == 1:
+            room = min(room, _utf8_len(lines[0]) - secret_margin_bytes())
+        partial = _utf8_tail(lines[-1], room) if lines and room > 0 else ""
+        body = partial + ("\n" if partial and trailing else "")
+        shown_bytes = _utf8_len(body)
+    dropped_bytes = totals.bytes - shown_bytes
+    dropped_lines = totals.lines - shown - (1 if partial else 0)
+    if dropped_bytes <= 0 and dropped_lines <= 0:
+        if not cut or not counted:
+            return body
+        return (
+            "[... the sandbox stopped passing this output on before the command ended; what followed is not shown]\n"
+            + body
         )
+    if dropped_lines and partial:
+        what = f"{_plural(dropped_lines, 'earlier line')} and the start of the last one ({dropped_bytes} bytes in all)"
+    elif dropped_lines:
+        what = f"{_plural(dropped_lines, 'earlier line')} ({_plural(dropped_bytes, 'byte')})"
     else:
-        note = "[... the sandbox dropped the start of this output to keep within its limit]"
-    return f"{note}\n{body}"
+        what = f"the first {_plural(dropped_bytes, 'byte')} of the last line"
+    if cut and not counted:
+        what = "at least " + what
+    return (
+        f"[... {what} not shown; the limits are {max_lines} lines and {format_size(max_bytes)}. Send the output to a "
+        f"file and read it in parts, or filter it with grep, head or tail.]\n{body}"
+    )
+
+
+def _signal_name(exit_code: int) -> str | None:
+    """The signal a shell's exit status of 128 + N reports a command killed by, e.g. ``SIGKILL`` for 137."""
+    try:
+        return signal.Signals(exit_code - 128).name if 128 < exit_code < 128 + 65 else None
+    except ValueError:
+        return None
+
+
+def command_output(result: SandboxExecResult, *, timeout: float, max_lines: int, max_bytes: int) -> str:
+    """
+    A command's result as text for a model, the same on every backend.
+
+    Each stream that printed anything is labelled (``[stdout]``, ``[stderr]``) and cut with
+    :func:`stream_tail`; a command that printed nothing reads ``(no output)``. A last line of notes
+    follows when there is something to say: ``[timed out after 2s]`` (the deadline the backend
+    applied), or ``[exit code: 3]`` for a non-zero exit (with the signal, such as ``SIGKILL``, for a
+    status above 128), and that the sandbox ended, when it did.
+
+    :param timeout: the deadline asked for, in seconds; reported when the backend gives none.
+    """
+    sections = []
+    for label, text, totals, cut in (
+        ("stdout", result.stdout, result.stdout_totals, result.stdout_truncated),
+        ("stderr", result.stderr, result.stderr_totals, result.stderr_truncated),
+    ):
+        if text:
+            shown = stream_tail(text, max_lines=max_lines, max_bytes=max_bytes, totals=totals, cut=cut)
+            sections.append(f"[{label}]\n" + shown.rstrip("\n"))
+    text = "\n".join(sections) if sections else "(no output)"
+    applied = result.applied_timeout
+    notes = []
+    if result.timed_out:
+        notes.append(f"[timed out after {timeout if applied is None else applied:g}s]")
+    elif result.exit_code < 0:
+        if not result.sandbox_terminated:
+            notes.append("[the exit status of the command is not known]")
+    elif result.exit_code != 0:
+        name = _signal_name(result.exit_code)
+        notes.append(f"[exit code: {result.exit_code}" + (f" (killed by {name})]" if name else "]"))
+        if result.exit_code == 127:
+            notes.append("[127 usually means the command is not installed in this sandbox; use another tool]")
+    if applied is not None and not result.timed_out and applied < timeout:
+        notes.append(f"[the sandbox allowed only {applied:g}s for this command]")
+    if result.sandbox_terminated:
+        notes.append("[the sandbox ended: files from earlier calls are gone, and the next call gets a new sandbox]")
+    return text + ("\n" + " ".join(notes) if notes else "")
 
 
 def file_window(text: str, *, offset: int = 1, limit: int | None = None, max_lines: int, max_bytes: int) -> str:
@@ -267,7 +406,10 @@ def file_window(text: str, *, offset: int = 1, limit: int | None = None, max_lin
     An ``offset`` past the end says how many lines the file has; a first line wider than
     ``max_bytes`` is not shown and the text says how to read part of it.
     """
-    lines = text.splitlines()
+    # Lines end at "\n" only, as for sed, head and wc -l, so offsets match what a shell counts.
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
     total = len(lines)
     if total == 0:
         return "(empty file)"
@@ -319,9 +461,17 @@ def mask_stream(text: str, *, cut: bool) -> str:
     """
     text = mask_text(text)
     if cut:
-        longest = longest_secret_bytes()
-        text = drop_head_bytes(text, MASK_MARGIN_BYTES if longest is None else min(MASK_MARGIN_BYTES, longest))
+        text = drop_head_bytes(text, secret_margin_bytes())
     return text
+
+
+def secret_margin_bytes() -> int:
+    """
+    The bytes at the start of a cut stream that may hold part of a secret: the longest secret the
+    masker knows, at most :data:`MASK_MARGIN_BYTES` (all of it when the length cannot be read).
+    """
+    longest = longest_secret_bytes()
+    return MASK_MARGIN_BYTES if longest is None else min(MASK_MARGIN_BYTES, longest)
 
 
 def drop_head_bytes(text: str, n: int) -> str:

@@ -24,6 +24,7 @@ __all__ = [
     "AttachedSandbox",
     "SandboxExecResult",
     "SandboxSpec",
+    "StreamTotals",
     "check_byte_count",
     "check_handle",
     "check_path",
@@ -139,6 +140,23 @@ class SandboxSpec:
 
 
 @dataclass(frozen=True)
+class StreamTotals:
+    """
+    How much a command wrote to one output stream in all, counted as the output arrived; the
+    result's text is only the tail of it.
+
+    :param bytes: bytes written to the stream.
+    :param lines: lines written: newline characters, plus one for a last line without one.
+    :param tail_at_line_start: the kept tail begins at the start of a line (always, when nothing
+        was dropped); False when its first line lost its start.
+    """
+
+    bytes: int
+    lines: int
+    tail_at_line_start: bool = True
+
+
+@dataclass(frozen=True)
 class SandboxExecResult:
     """
     What one command gave back.
@@ -153,6 +171,9 @@ class SandboxExecResult:
         its files are gone.
     :param applied_timeout: the deadline actually applied, in seconds, when the backend shortened
         the one asked for (to the sandbox's remaining lifetime, say).
+    :param stdout_totals: how much the command wrote to standard output in all, so a reader can say
+        exactly what the tail leaves out; None when the producer did not count.
+    :param stderr_totals: the same for standard error.
     """
 
     exit_code: int
@@ -163,6 +184,8 @@ class SandboxExecResult:
     stderr_truncated: bool = False
     sandbox_terminated: bool = False
     applied_timeout: float | None = None
+    stdout_totals: StreamTotals | None = None
+    stderr_totals: StreamTotals | None = None
 
     @property
     def ok(self) -> bool:

@@ -26,16 +26,21 @@ from sandbox_provider.sandbox.hook import SandboxHook
 from sandbox_provider.sandbox.options import SessionOptions
 from sandbox_provider.sandbox.output import (
     MASK_MARGIN_BYTES,
+    command_output,
     file_window,
     format_size,
     head_lines,
-    mask_stream,
+    listing,
     mask_text,
-    tail_lines,
 )
 from sandbox_provider.sandbox.session import SandboxSession
 from sandbox_provider.sandbox.spec import OWNER_TAG, SandboxSpec, check_byte_count, check_positive
 from sandbox_provider.sandbox.transfer import DEFAULT_MAX_EXPORT_BYTES
+from sandbox_provider.toolsets._agent_guards import (
+    explain_refused_approval,
+    present_to_agent_operator,
+    refuse_unsafe_agent_features,
+)
 
 __all__ = ["SandboxToolset"]
 
@@ -111,34 +116,6 @@ def _argument_errors(err: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def _listing(items: list[str]) -> str:
-    if len(items) == 1:
-        return items[0]
-    return ", ".join(items[:-1]) + " and " + items[-1]
-
-
-def network_note(spec: SandboxSpec) -> str:
-    """Tell the model, in a sentence or two, what the sandbox described by ``spec`` can reach."""
-    if not spec.block_network:
-        return "The sandbox can reach the network."
-    hosts = list(spec.allow_egress_to or [])
-    cidrs = list(spec.allow_egress_to_cidrs or [])
-    if not hosts and not cidrs:
-        return (
-            "The sandbox has no network access at all, not even DNS: installing packages or downloading "
-            "anything will fail, so work with what is already installed."
-        )
-    reach = []
-    if hosts:
-        reach.append(f"the hosts {_listing(hosts)}")
-    if cidrs:
-        reach.append(f"the address ranges {_listing(cidrs)} (any port)")
-    return (
-        f"The sandbox can reach only {' and '.join(reach)}; every other destination fails, so installing "
-        "packages from elsewhere will not work."
-    )
-
-
 def lifetime_note(remaining: float | None) -> str:
     """Tell the model how long an attached sandbox had left when the run began."""
     if remaining is None:
@@ -166,6 +143,15 @@ class SandboxToolset(AbstractToolset[Any]):
 
     Outside pydantic-ai, open it with ``with toolset:`` or ``async with toolset:`` and call
     :meth:`call` (or :meth:`acall`) with a tool name and its arguments.
+
+    With common-ai's ``AgentOperator`` it is a ``SandboxToolset`` to the operator's guards (it
+    registers as a virtual subclass of common-ai's class): ``durable=True`` is refused with it,
+    ``enable_hitl_review=True`` unless it is attached, when the Dag is parsed, and a tool that needs
+    approval fails the task unless it is attached. Built per run by a function, where the operator
+    cannot see it, it refuses ``durable`` and unattached review itself when the run opens it.
+
+    The ``run_command`` description says what the sandbox can reach, in the backend's words
+    (``backend.network_description(spec)``), and results read the same on every backend.
 
     A mistake the model can fix (a bad path, a file over the read limit, a bad timeout) goes back
     to it as a retry prompt; what it cannot fix (provisioning, credentials, an attached sandbox
@@ -348,6 +334,7 @@ class SandboxToolset(AbstractToolset[Any]):
         if self._depth:
             self._depth += 1
             return
+        refuse_unsafe_agent_features(attached=self._attach_mode)
         session = self._new_session()
         session.open()
         self._session = session
@@ -384,6 +371,8 @@ class SandboxToolset(AbstractToolset[Any]):
     async def __aexit__(self, exc_type=None, exc=None, tb=None) -> bool | None:
         handling = sys.exc_info()[1]
         failed = exc_type is not None or (handling is not None and handling is not self._exc_at_enter)
+        if failed and not self._attach_mode:
+            explain_refused_approval(exc if exc is not None else handling)
         await asyncio.to_thread(self._close, failed=failed)
         return None
 
@@ -398,11 +387,6 @@ class SandboxToolset(AbstractToolset[Any]):
         return session
 
     # -- what the model sees ---------------------------------------------------------------------------
-
-    def _network_note(self, spec: SandboxSpec) -> str:
-        """The backend's own account of what ``spec`` lets through, when it gives one; else the generic note."""
-        describe = getattr(self.backend, "describe_network", None)
-        return (describe(spec) if callable(describe) else None) or network_note(spec)
 
     def _run_command_description(self) -> str:
         if self._description is not None:
@@ -432,7 +416,7 @@ class SandboxToolset(AbstractToolset[Any]):
                 "this run for a later task to collect."
             )
             if attached is not None and attached.network is not None:
-                parts.append(self._network_note(attached.network))
+                parts.append(self.backend.network_description(attached.network))
             else:
                 parts.append(
                     "Its network access is whatever the task that provisioned it allowed; test before relying on it."
@@ -440,9 +424,9 @@ class SandboxToolset(AbstractToolset[Any]):
             if attached is not None:
                 parts.append(lifetime_note(attached.remaining_lifetime))
         else:
-            parts.append(self._network_note(self.spec or SandboxSpec()))
+            parts.append(self.backend.network_description(self.spec or SandboxSpec()))
             if self.exports:
-                names = _listing([repr(p) for p in self.exports])
+                names = listing([repr(p) for p in self.exports])
                 verb = "is" if len(self.exports) == 1 else "are"
                 parts.append(
                     f"When this run ends, {names} {verb} copied out of the sandbox and everything else is "
@@ -551,12 +535,6 @@ class SandboxToolset(AbstractToolset[Any]):
             raise ModelRetry(mask_text(f"{self._tool_name(op)} failed: {err}")) from None
         return mask_text(text)
 
-    def _shape(self, text: str, *, cut: bool) -> str:
-        # Mask before any cut of ours, so no cut can split a secret the masker would have caught;
-        # the backend kept MASK_MARGIN_BYTES more than is shown, for what a cut of its own needs.
-        text = mask_stream(text, cut=cut)
-        return tail_lines(text, max_lines=self.max_output_lines, max_bytes=self.max_output_bytes, already_cut=cut)
-
     def _command_seconds(self) -> tuple[float, float]:
         """The default and the longest deadline of a command, in seconds, within what the backend allows."""
         cap = getattr(getattr(self.backend, "capabilities", None), "max_command_seconds", None)
@@ -576,26 +554,9 @@ class SandboxToolset(AbstractToolset[Any]):
             ):
                 raise ModelRetry(f"timeout_seconds must be a number of seconds above 0, got {timeout_seconds!r}.")
             budget = min(float(timeout_seconds), longest)
+        # The backend keeps MASK_MARGIN_BYTES more than is shown, for what masking after its cut needs.
         result = session.run(command, timeout=budget, max_output_bytes=self.max_output_bytes + MASK_MARGIN_BYTES)
-        sections = []
-        if result.stdout:
-            sections.append("[stdout]\n" + self._shape(result.stdout, cut=result.stdout_truncated))
-        if result.stderr:
-            sections.append("[stderr]\n" + self._shape(result.stderr, cut=result.stderr_truncated))
-        text = "\n".join(s.rstrip("\n") for s in sections) if sections else "(no output)"
-        notes = []
-        if result.timed_out:
-            applied = result.applied_timeout if result.applied_timeout is not None else budget
-            notes.append(f"[timed out after {applied:g}s]")
-        elif result.exit_code != 0:
-            notes.append(f"[exit code: {result.exit_code}]")
-            if result.exit_code == 127:
-                notes.append("[127 usually means the command is not installed in this sandbox; use another tool]")
-        if result.applied_timeout is not None and not result.timed_out and result.applied_timeout < budget:
-            notes.append(f"[the sandbox allowed only {result.applied_timeout:g}s for this command]")
-        if result.sandbox_terminated:
-            notes.append("[the sandbox was replaced: files from earlier calls are gone]")
-        return text + ("\n" + " ".join(notes) if notes else "")
+        return command_output(result, timeout=budget, max_lines=self.max_output_lines, max_bytes=self.max_output_bytes)
 
     def _read_file(self, session: SandboxSession, path: str, offset: Any, limit: Any) -> str:
         start = 1 if offset is None else offset
@@ -640,3 +601,8 @@ class SandboxToolset(AbstractToolset[Any]):
                 f"shell command such as ls -p {target} | tail -n +{len(kept) + 1}]"
             )
         return text
+
+
+# AgentOperator applies its durable, review and approval guards to the toolsets it recognises as
+# sandbox toolsets; this makes it recognise this one (see toolsets/_agent_guards.py).
+present_to_agent_operator(SandboxToolset)

@@ -59,10 +59,14 @@ sweep() {
       for entry in /proc/[0-9]*; do
         pid=${entry#/proc/}
         case $found in *" $pid "*) continue ;; esac
-        read -r stat 2>/dev/null <"$entry/stat" || continue
+        # The whole file: a process may put a newline in its name, which spans the line in two.
+        stat=""
+        while IFS= read -r part || [ -n "$part" ]; do stat="$stat$part "; done 2>/dev/null <"$entry/stat" || continue
+        case $stat in *") "*) ;; *) continue ;; esac
         stat=${stat##*) }
         # shellcheck disable=SC2086
         set -- $stat
+        [ "$#" -ge 4 ] || continue
         [ "$1" = Z ] && continue
         case " $extra $found" in
           *" $pid "* | *" $2 "*) ;;

@@ -21,7 +21,8 @@
 # Standard output: the last $3 bytes the command wrote there. Standard error: the last $3 bytes it
 # wrote there, then one status line, which always comes last:
 #   "\nairflow-sandbox-status <exit status> <1 if the deadline stopped it, else 0> <bytes the
-#   command wrote to stdout> <bytes it wrote to stderr>\n"
+#   command wrote to stdout> <bytes it wrote to stderr> <newlines it wrote to stdout> <newlines it
+#   wrote to stderr>\n"
 # Exit status: the command's; 125 (with a message on stderr and no status line) if the wrapper
 # cannot run it; 143, 130 or 129 if the wrapper itself gets SIGTERM, SIGINT or SIGHUP, which it
 # passes on to the command's group first.
@@ -84,8 +85,10 @@ if { [ "$status" = 124 ] || [ "$status" = 137 ]; } && [ $((ended - began)) -ge "
 fi
 out_bytes=$(wc -c <"$scratch/out")
 err_bytes=$(wc -c <"$scratch/err")
+out_lines=$(wc -l <"$scratch/out")
+err_lines=$(wc -l <"$scratch/err")
 tail -c "$keep" "$scratch/out"
 tail -c "$keep" "$scratch/err" >&2
-printf '\nairflow-sandbox-status %d %d %d %d\n' "$status" "$late" $out_bytes $err_bytes >&2
+printf '\nairflow-sandbox-status %d %d %d %d %d %d\n' "$status" "$late" $out_bytes $err_bytes $out_lines $err_lines >&2
 rm -rf "$scratch"
 exit "$status"
