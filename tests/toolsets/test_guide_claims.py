@@ -326,7 +326,7 @@ def test_exports_land_only_after_success_and_all_or_nothing(local, state_root, t
     )
     assert dest.read_text() == "a,b\n1,2\n" and list(dest.parent.iterdir()) == [dest]  # no .partial left
     assert (
-        "Exported staging.csv from sandbox airflow-sandbox-" in caplog.text
+        "Copied staging.csv out of sandbox airflow-sandbox-" in caplog.text
         and f"Published {dest.as_uri()}" in caplog.text
     )
     # A named file that is missing fails the task, and no destination changes.
@@ -402,16 +402,8 @@ GUIDE_SEQUENCE = [
 ]
 
 
-def test_failures_go_back_to_the_model_in_the_guides_shape(backend, request):
+def test_failures_go_back_to_the_model_in_the_guides_shape(backend):
     name, hook, spec, mod = backend
-    if name == "docker":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="the Docker backend adds its sweep's 'Killed' and /proc lines to a timed-out command's "
-                "stderr; removed at the source by the Docker backend's own work",
-            )
-        )
     script = Script(
         [("write_file", {"path": "kept.txt", "content": "kept across calls\n"})],
         [("run_command", {"command": "echo partial; exit 3"})],

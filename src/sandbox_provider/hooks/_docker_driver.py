@@ -26,7 +26,6 @@ from sandbox_provider.sandbox.spec import (
     OWNER_TAG,
     RUN_ID_TAG,
     TASK_ID_TAG,
-    TRY_NUMBER_TAG,
 )
 
 #: The label every sandbox container of this provider carries; its value is the handle.
@@ -350,20 +349,6 @@ def leftovers(found: Iterable[DockerSandboxInfo], *, now: float, created_grace: 
             result.append(Leftover(info.handle, f"created {int(now - info.created_at)}s ago and never started"))
         elif info.status in ("exited", "dead"):
             result.append(Leftover(info.handle, f"{info.status} and not removed"))
-    return result
-
-
-def earlier_tries(found: Iterable[DockerSandboxInfo], trace: Mapping[str, str]) -> list[Leftover]:
-    """Of ``found``, those an earlier try of the task instance ``trace`` names made."""
-    same = (DAG_ID_TAG, RUN_ID_TAG, TASK_ID_TAG, MAP_INDEX_TAG)
-    result = []
-    for info in found:
-        try:
-            earlier = int(info.stamps.get(TRY_NUMBER_TAG, "")) < int(trace[TRY_NUMBER_TAG])
-        except (KeyError, ValueError):
-            continue
-        if earlier and all(info.stamps.get(key) == trace.get(key) for key in same):
-            result.append(Leftover(info.handle, f"left by try {info.stamps[TRY_NUMBER_TAG]} of this task"))
     return result
 
 

@@ -43,15 +43,11 @@ from sandbox_provider.sandbox.spec import (
     EXPIRES_AT_TAG,
     NETWORK_TAG,
     OWNER_TAG,
-    RUN_ID_TAG,
-    TASK_ID_TAG,
     TRACE_TAGS,
-    TRY_NUMBER_TAG,
     WORKDIR_TAG,
     SandboxExecResult,
     check_path,
     is_named_sandbox,
-    trace_stamps,
 )
 
 if TYPE_CHECKING:
@@ -660,21 +656,6 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
         found = self.list_sandboxes(owner=owner, dag_id=dag_id)
         return self._remove(driver.leftovers(found, now=judged, created_grace=self.created_grace))
 
-    def end_earlier_tries(self, trace: Mapping[str, str] | None = None) -> list[str]:
-        """
-        Destroy the sandboxes that earlier tries of this task instance provisioned (same Dag, run,
-        task and map index, a lower try number); return their handles. Sandboxes other tasks made,
-        attached ones included, are never touched.
-
-        :param trace: the task instance's stamps (``trace_stamps(context)``); default the running task's.
-            Outside a task there is none, and nothing is destroyed.
-        """
-        trace = dict(trace_stamps() if trace is None else trace)
-        if not all(trace.get(key) for key in TRACE_TAGS):
-            return []
-        found = self.list_sandboxes(run_id=trace[RUN_ID_TAG], task_id=trace[TASK_ID_TAG])
-        return self._remove(driver.earlier_tries(found, trace))
-
     def _remove(self, leftovers: list[driver.Leftover]) -> list[str]:
         removed = []
         for leftover in leftovers:
@@ -688,13 +669,11 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
 
     def _sweep_engine(self, stamps: Mapping[str, str]) -> None:
         """
-        What every create does first: remove the Engine's leftovers, and the sandboxes earlier tries of
-        the creating task instance left (``stamps`` name it). A failure to sweep never stops the create.
+        What every create does first: remove the Engine's leftovers (the session ends what earlier tries
+        of the task left, by their stamps). A failure to sweep never stops the create.
         """
         try:
             self.remove_expired()
-            if int(stamps.get(TRY_NUMBER_TAG) or 1) > 1:
-                self.end_earlier_tries(stamps)
         except (SandboxError, ValueError):
             log.warning("Could not sweep leftover Docker sandboxes on %s", self._where, exc_info=True)
 
