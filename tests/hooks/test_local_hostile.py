@@ -372,7 +372,6 @@ def test_forty_kills_during_create_and_destroy_leave_nothing_the_next_sweep_miss
         if pid == 0:  # a worker that does nothing but create and destroy, until it is killed
             try:
                 worker = LocalSandboxHook(state_root=hook.state_root, uid_lease_dir=str(tmp_path / "ids"), **settings)
-                worker._probed = True
                 while True:
                     worker.destroy(worker.create())
             finally:

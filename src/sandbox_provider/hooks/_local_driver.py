@@ -36,6 +36,7 @@ from typing import IO, Any
 
 from sandbox_provider.hooks._local_seccomp import filter_program
 from sandbox_provider.hooks._local_spawner import Placement, spawn
+from sandbox_provider.sandbox.spec import check_workdir
 
 #: The environment bwrap itself starts with (it is visible as /proc/1/environ in the sandbox).
 BWRAP_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
@@ -526,3 +527,15 @@ def follow(
                 os.unlink(marker)
         status = {**started.status, **read_status(started.status_fd)}
     return timed_out, status
+
+
+def check_local_workdir(workdir: Any) -> str:
+    """``workdir`` normalized, unless it lies in a directory the sandbox gets from the system."""
+    normal = check_workdir(workdir)
+    for reserved in RESERVED_WORKDIRS:
+        if normal == reserved or (reserved != "/" and normal.startswith(reserved + "/")):
+            raise ValueError(
+                f"workdir {workdir!r} lies in {reserved}, which the sandbox gets from the system or mounts itself; "
+                "use a directory of its own such as '/workspace'."
+            )
+    return normal

@@ -30,9 +30,11 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import stat
+import tempfile
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -480,3 +482,16 @@ def _walk_and_remove(parent_fd: int, top: str, dev: int) -> None:
                 levels[-1].pending = None  # something appeared in it: list the parent again
     finally:
         os.close(fd)
+
+
+def default_state_root() -> str:
+    """
+    ``<tmp>/airflow-sandbox-<uid>-<instance>``: the state root when none is set, one per user and Airflow
+    instance on the host. ``<instance>`` is 10 hex digits of a hash of the resolved ``AIRFLOW_HOME``
+    (``~/airflow`` when unset). It stays in the temporary directory rather than under ``AIRFLOW_HOME``,
+    because a root worker's sandboxes run as other users, who must be able to pass through every
+    directory above it.
+    """
+    home = os.path.realpath(os.environ.get("AIRFLOW_HOME") or os.path.expanduser("~/airflow"))
+    instance = hashlib.sha256(home.encode("utf-8", "surrogateescape")).hexdigest()[:10]
+    return os.path.join(tempfile.gettempdir(), f"airflow-sandbox-{os.getuid()}-{instance}")

@@ -26,6 +26,7 @@ worker reaches, its loopback services and abstract Unix sockets included.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import functools
 import logging
@@ -40,14 +41,13 @@ from typing import IO, Any
 from sandbox_provider.hooks import _local_cgroups as cgroups_mod
 from sandbox_provider.hooks import _local_driver as driver
 from sandbox_provider.hooks import _local_state as state
+from sandbox_provider.hooks._local_files import LocalFiles
 from sandbox_provider.hooks._local_ids import IdLeases, parse_uid_range
 from sandbox_provider.hooks.forms.local import FORM
-from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.attach import Attachable, expiry_of
-from sandbox_provider.sandbox.errors import SandboxFileTooLargeError, SandboxTerminalError
-from sandbox_provider.sandbox.files import ShellFiles, check_export_size, checked_size, file_failure, reported_size
+from sandbox_provider.sandbox.errors import SandboxTerminalError
+from sandbox_provider.sandbox.files import ShellFiles
 from sandbox_provider.sandbox.hook import (
-    FILE_OP_TIMEOUT,
     Capabilities,
     OutputSink,
     ProvisionRequest,
@@ -58,10 +58,6 @@ from sandbox_provider.sandbox.network import NetworkReach
 from sandbox_provider.sandbox.spec import (
     DEFAULT_WORKDIR,
     NETWORK_TAG,
-    SandboxExecResult,
-    check_byte_count,
-    check_path,
-    check_workdir,
 )
 
 log = logging.getLogger(__name__)
@@ -69,12 +65,13 @@ log = logging.getLogger(__name__)
 __all__ = ["LocalSandboxBackend", "LocalSandboxHook", "SweepReport"]
 
 SweepReport = state.SweepReport
+default_state_root = state.default_state_root
 UID_TAG = state.UID_TAG
 _EXPORT_MIN_RATE = 1024 * 1024  # bytes per second a local export is allowed to be slow to
 _LEASE_SWEEP_EVERY = 60.0  # seconds between lease sweeps on the create path
 
 
-class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
+class LocalSandboxHook(LocalFiles, ShellFiles, Attachable, SandboxHook):
     """
     Sandboxes on the worker, isolated with bubblewrap. Attachable by tasks on the same host.
 
@@ -183,13 +180,12 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
             parse_uid_range(uid_range)
         if cgroup_parent is not None:
             cgroups_mod.check_parent(cgroup_parent)
-        self.workdir = _check_workdir(workdir)
+        self.workdir = driver.check_local_workdir(workdir)
         self.bwrap_path = bwrap_path
         self._settings: dict[str, Any] | None = None
-        self._probed = False
         self._leases_swept = 0.0
         self._bwrap_found: str | None = None
-        self._binds: dict[bool, list[str]] = {}
+        self._plans: dict[str, _Plan] = {}
 
     # -- settings --------------------------------------------------------------------------------------
 
@@ -211,7 +207,7 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
             raise SandboxTerminalError(f"{err} Fix the connection's extra, or pass the setting to the hook.") from err
         tmp = tempfile.gettempdir()
         if settings["state_root"] is None:
-            settings["state_root"] = default_state_root()
+            settings["state_root"] = state.default_state_root()
         if settings["uid_lease_dir"] is None:
             settings["uid_lease_dir"] = os.path.join(tmp, "airflow-sandbox-uids")
         for key in ("state_root", "uid_lease_dir", "image"):
@@ -244,10 +240,8 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
         return self._resolved()["state_root"]
 
     def _system_binds(self, network: bool) -> list[str]:
-        """The read-only system mounts (or ``image``'s), looked up once per hook."""
-        if network not in self._binds:
-            self._binds[network] = driver.system_binds(self._resolved()["image"], self.workdir, network)
-        return self._binds[network]
+        """The read-only system mounts (or ``image``'s), looked up once per worker process."""
+        return _system_binds(self._resolved()["image"], self.workdir, network)
 
     def _bwrap(self) -> str:
         if self._bwrap_found:
@@ -315,6 +309,7 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
         if UID_TAG in record["stamps"]:
             new[UID_TAG] = record["stamps"][UID_TAG]
         state.write_record(path, {**record, "stamps": new})
+        self._plans.pop(handle, None)
 
     @contextlib.contextmanager
     def _stamp_lock(self, handle: str):
@@ -342,7 +337,7 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
             super().release(handle, holder=holder)
 
     def _remaining_lifetime(self, handle: str) -> float | None:
-        expires = expiry_of(self.read_tags(handle))
+        expires = self._plan(handle).expires_at
         return None if expires is None else expires - time.time()
 
     # -- lifecycle -------------------------------------------------------------------------------------
@@ -372,20 +367,28 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
                 self._fill(staging, handle, request, limits)
         except OSError as err:
             raise SandboxTerminalError(f"Could not provision a sandbox under {root}: {err}") from err
-        if not self._probed:
-            # Once per hook: prove bubblewrap can build this sandbox here, so a worker without user
-            # namespaces fails at create with bwrap's reason rather than at the first command.
-            try:
-                probe = self._script(handle, "true", timeout=60)
-            except BaseException:
-                self._destroy(handle)
-                raise
-            if not probe.ok:
-                self._destroy(handle)
-                raise SandboxTerminalError(f"A new sandbox could not run a command on this worker: {probe.stderr}")
-            self._probed = True
+        self._probe_once(handle, request, limits)
         log.info("Sandbox %s lives in %s until %s", handle, os.path.join(root, handle), time.ctime(request.expires_at))
         return handle
+
+    def _probe_once(self, handle: str, request: ProvisionRequest, limits: Mapping[str, Any]) -> None:
+        """
+        Once per worker process and kind of sandbox: prove bubblewrap can build this sandbox here, so
+        a worker without user namespaces fails at create with bwrap's reason, not at the first command.
+        """
+        key = (self._bwrap(), self._resolved()["image"], os.geteuid(), self.workdir, request.spec.block_network)
+        key += (repr(sorted(limits.items())),)
+        if key in _PROBED:
+            return
+        try:
+            probe = self._script(handle, "true", timeout=60)
+        except BaseException:
+            self._destroy(handle)
+            raise
+        if not probe.ok:
+            self._destroy(handle)
+            raise SandboxTerminalError(f"A new sandbox could not run a command on this worker: {probe.stderr}")
+        _PROBED.add(key)
 
     def _fill(self, staging: str, handle: str, request: ProvisionRequest, limits: Mapping[str, Any]) -> None:
         """Make the sandbox's user, box, cgroup and state in its ``.creating-`` directory."""
@@ -415,6 +418,7 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
             raise
 
     def _destroy(self, handle: str) -> None:
+        self._plans.pop(handle, None)
         root = self._root()
         trash = state.mark_destroyed(root, handle)
         if trash is not None:
@@ -500,6 +504,34 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
         """The cgroup (or None) and the rlimits one command of the sandbox runs under."""
         return cgroups_mod.confinement(handle, limits, self._cgroups(), max_file_bytes)
 
+    def _plan(self, handle: str) -> _Plan:
+        """What every launch of the sandbox needs, worked out once per sandbox (and hook)."""
+        path = self._dir(handle)
+        plan = self._plans.get(handle)
+        if plan is None or plan.path != path:
+            record = state.read_record(path)
+            tags, limits = record["stamps"], record["limits"]
+            network = '"block_network":false' in tags.get(NETWORK_TAG, "")
+            argv = driver.bwrap_argv(
+                self._bwrap(),
+                box=state.box_path(path, limits),
+                workdir=self.workdir,
+                binds=self._system_binds(network),
+                network=network,
+                shm_bytes=int(limits.get("shm_bytes") or self.settings["shm_bytes"].default),
+            )
+            plan = _Plan(
+                path=path,
+                bwrap_argv=argv,
+                env={**driver.base_env(self.workdir), **record["env"]},
+                limits=limits,
+                uid=int(tags.get(UID_TAG, os.getuid())),
+                tools={name: self._tool(name) for name in driver.TOOLS},
+                expires_at=expiry_of(tags),
+            )
+            self._plans[handle] = plan
+        return plan
+
     def _exec(
         self,
         handle: str,
@@ -508,49 +540,49 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
         timeout: float,
         output: OutputSink,
         stdin: IO[bytes] | None = None,
+        stdin_fd: int | None = None,
         stdout_fd: int | None = None,
         max_file_bytes: int | None = None,
     ) -> RunOutcome:
         """
         Run ``argv`` in the sandbox for at most ``timeout`` seconds. Standard input streams from
-        ``stdin`` when given; standard output goes into ``output``, or straight into the file
-        descriptor ``stdout_fd`` (the worker never reads it).
+        ``stdin``, or is the descriptor ``stdin_fd`` (closed here once the launch has it); standard
+        output goes into ``output``, or straight into the descriptor ``stdout_fd`` (the worker never
+        reads it).
         """
-        path = self._dir(handle)
-        record = state.read_record(path)
-        tags, limits = record["stamps"], record["limits"]
+        try:
+            plan = self._plan(handle)
+        except BaseException:
+            if stdin_fd is not None:
+                os.close(stdin_fd)
+            raise
+        limits = plan.limits
         cgroups, rlimits = self._confinement(handle, limits, max_file_bytes)
-        network = '"block_network":false' in tags.get(NETWORK_TAG, "")
-        argv_bwrap = driver.bwrap_argv(
-            self._bwrap(),
-            box=state.box_path(path, limits),
-            workdir=self.workdir,
-            binds=self._system_binds(network),
-            network=network,
-            shm_bytes=int(limits.get("shm_bytes") or self.settings["shm_bytes"].default),
-        )
         ooms = cgroups.oom_kills(handle) if cgroups is not None and limits.get("memory_bytes") else None
-        uid = int(tags.get(UID_TAG, os.getuid()))
         placement = cgroups.placement(handle) if cgroups is not None else None
+        stdin_kind = stdin_fd if stdin_fd is not None else subprocess.PIPE if stdin is not None else subprocess.DEVNULL
         try:
             started = driver.start(
-                {name: self._tool(name) for name in driver.TOOLS},
-                argv_bwrap,
+                plan.tools,
+                plan.bwrap_argv,
                 argv,
-                env={**driver.base_env(self.workdir), **record["env"]},
+                env=plan.env,
                 rlimits=rlimits,
-                uid=uid if self._drops_root else None,
+                uid=plan.uid if self._drops_root else None,
                 placement=placement,
                 join_cgroup=(lambda pid: cgroups.join(handle, pid)) if cgroups and not placement else None,
                 popen_kwargs={
-                    "stdin": subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                    "stdin": stdin_kind,
                     "stdout": subprocess.PIPE if stdout_fd is None else stdout_fd,
                     "env": driver.BWRAP_ENV,
                 },
             )
         except OSError as err:
             raise SandboxTerminalError(f"Could not start bubblewrap in sandbox {handle}: {err}") from err
-        outcome = self._follow(handle, path, started, output, stdin, timeout, has_cgroup=cgroups is not None)
+        finally:
+            if stdin_fd is not None:
+                os.close(stdin_fd)  # the launch holds it now: a feeder sees EPIPE when the sandbox stops
+        outcome = self._follow(handle, plan.path, started, output, stdin, timeout, has_cgroup=cgroups is not None)
         if ooms is not None and not outcome.timed_out and cgroups.oom_kills(handle) > ooms:
             output.stderr(
                 f"\n[sandbox] the kernel killed a process: the sandbox reached its memory limit "
@@ -576,112 +608,6 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
         # too); the sandbox and its files stay.
         return self._exec(handle, ["/bin/sh", "-c", command], timeout=timeout, output=output)
 
-    # -- files, resolved inside the sandbox ------------------------------------------------------------
-    #
-    # Every file operation runs in the sandbox itself, so a path (and any symlink on it) resolves the
-    # way the sandbox sees it. A link pointing at a host path leads to what the sandbox can see
-    # there, which is nothing of the worker's. Listing comes from ShellFiles.
-
-    def _script(
-        self,
-        handle: str,
-        script: str,
-        *,
-        timeout: float = FILE_OP_TIMEOUT,
-        on_stdout: Callable[[bytes], None] | None = None,
-        **kwargs: Any,
-    ) -> SandboxExecResult:
-        handle = self.check_handle(handle)
-        budget = self._deadline(handle, timeout)
-        sink = OutputSink(
-            64 * 1024, (lambda stream, data: on_stdout(data) if stream == "stdout" else None) if on_stdout else None
-        )
-        outcome = self._exec(handle, ["/bin/sh", "-c", script], timeout=budget, output=sink, **kwargs)
-        return sink.result(outcome, budget)
-
-    def read_file(self, handle: str, path: str, *, max_bytes: int) -> bytes:
-        """
-        Return the bytes of the regular file at ``path``, at most ``max_bytes`` (checked in the sandbox).
-
-        :raises SandboxFileTooLargeError: if it holds more than ``max_bytes``.
-        :raises SandboxError: if it is missing, unreadable, a directory or not a regular file.
-        """
-        check_path(path)
-        check_byte_count(max_bytes, "max_bytes")
-        chunks: list[bytes] = []
-        seen = [0]
-
-        def keep(data: bytes) -> None:
-            seen[0] += len(data)
-            if seen[0] <= max_bytes:
-                chunks.append(data)
-
-        result = self._script(handle, guest.shell_command("file.sh", path, int(max_bytes), "head"), on_stdout=keep)
-        size = reported_size(result.stderr)
-        if result.exit_code == guest.TOO_LARGE_STATUS or seen[0] > max_bytes:
-            raise SandboxFileTooLargeError(path, max(size or 0, seen[0]), max_bytes)
-        if not result.ok:
-            raise file_failure(result, path, "reading")
-        return b"".join(chunks)
-
-    def import_file(self, handle: str, path: str, source: IO[bytes]) -> int:
-        """
-        Stream ``source`` into ``path`` in the sandbox, creating parent directories; return the bytes.
-
-        The bytes go to a temporary sibling first, which is then renamed over ``path``: a reader never
-        sees half a file, and a symlink at ``path`` is replaced rather than followed.
-
-        :raises SandboxError: if the path cannot be written (a directory is there, say).
-        """
-        check_path(path)
-        counted = driver.CountingReader(source)
-        script = guest.shell_command("write.sh", "stdin", path)
-        result = self._script(handle, script, stdin=counted, timeout=max(FILE_OP_TIMEOUT, 3600.0))
-        if not result.ok:
-            raise file_failure(result, path, "writing")
-        return counted.count
-
-    def export_file(self, handle: str, path: str, stream: IO[bytes], *, max_bytes: int) -> int:
-        """
-        Stream the regular file at ``path`` into ``stream``; return the bytes copied.
-
-        Bytes flow from the sandbox through a pipe into ``stream``, a megabyte at a time. When
-        ``stream`` is a local file, the copy in the sandbox (a trusted ``cat``, in a process tree of
-        its own, under a file-size limit) writes into it directly, and no byte passes through the
-        worker. Either way at most ``max_bytes + 1`` bytes are written before the size is checked.
-
-        :raises SandboxFileTooLargeError: if the file holds more than ``max_bytes``.
-        :raises SandboxError: if it is missing, not a regular file, or changed during the copy.
-        """
-        check_path(path)
-        check_byte_count(max_bytes, "max_bytes")
-        copied = [0]
-
-        def write(data: bytes) -> None:
-            copied[0] += len(data)
-            if copied[0] > max_bytes:
-                raise SandboxFileTooLargeError(path, copied[0], max_bytes)
-            stream.write(data)
-
-        allowance = max(FILE_OP_TIMEOUT, max_bytes / _EXPORT_MIN_RATE)
-        out_fd = driver.local_file_fd(stream)
-        if out_fd is None:
-            script = guest.shell_command("file.sh", path, int(max_bytes), "head")
-            result = self._script(handle, script, on_stdout=write, timeout=allowance)
-        else:
-            # cat copies in the kernel where it can; the file-size limit stops it one byte past
-            # the budget should the file grow during the copy.
-            start = os.lseek(out_fd, 0, os.SEEK_CUR)
-            script = guest.shell_command("file.sh", path, int(max_bytes), "cat")
-            result = self._script(
-                handle, script, stdout_fd=out_fd, timeout=allowance, max_file_bytes=start + int(max_bytes) + 1
-            )
-            copied[0] = os.lseek(out_fd, 0, os.SEEK_CUR) - start
-            if copied[0] > max_bytes:
-                raise SandboxFileTooLargeError(path, copied[0], max_bytes)
-        check_export_size(path, checked_size(result, path, max_bytes, "exporting"), copied[0])
-        return copied[0]
-
 
 #: The guide's name for this backend.
 LocalSandboxBackend = LocalSandboxHook
@@ -695,32 +621,28 @@ def _checked(value: Any, check: Callable[[Any], Any]) -> Any:
         raise SandboxTerminalError(f"{err} Fix the connection's extra, or pass the setting to the hook.") from err
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """One sandbox's launch: its directory, bwrap's options, environment, limits, user, tools, expiry."""
+
+    path: str
+    bwrap_argv: list[str]
+    env: dict[str, str]
+    limits: Mapping[str, Any]
+    uid: int
+    tools: dict[str, str]
+    expires_at: float | None
+
+
+@functools.lru_cache(maxsize=16)
+def _system_binds(image: str | None, workdir: str, network: bool) -> list[str]:
+    return driver.system_binds(image, workdir, network)
+
+
+#: Workers that proved bubblewrap builds a sandbox here: (bwrap, image, euid, cgroup parent, state root).
+_PROBED: set[tuple[Any, ...]] = set()
+
+
 @functools.cache
 def _which(name: str) -> str | None:
     return shutil.which(name, path=driver.BWRAP_ENV["PATH"])
-
-
-def default_state_root() -> str:
-    """
-    ``<tmp>/airflow-sandbox-<uid>-<instance>``: the state root when none is set, one per user and Airflow
-    instance on the host. ``<instance>`` is 10 hex digits of a hash of the resolved ``AIRFLOW_HOME``
-    (``~/airflow`` when unset). It stays in the temporary directory rather than under ``AIRFLOW_HOME``,
-    because a root worker's sandboxes run as other users, who must be able to pass through every
-    directory above it.
-    """
-    import hashlib
-
-    home = os.path.realpath(os.environ.get("AIRFLOW_HOME") or os.path.expanduser("~/airflow"))
-    instance = hashlib.sha256(home.encode("utf-8", "surrogateescape")).hexdigest()[:10]
-    return os.path.join(tempfile.gettempdir(), f"airflow-sandbox-{os.getuid()}-{instance}")
-
-
-def _check_workdir(workdir: Any) -> str:
-    normal = check_workdir(workdir)
-    for reserved in driver.RESERVED_WORKDIRS:
-        if normal == reserved or (reserved != "/" and normal.startswith(reserved + "/")):
-            raise ValueError(
-                f"workdir {workdir!r} lies in {reserved}, which the sandbox gets from the system or mounts itself; "
-                "use a directory of its own such as '/workspace'."
-            )
-    return normal
