@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from sandbox_provider.sandbox.batch import ImportEntry
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 from sandbox_provider.sandbox.hook import OutputCallback, SandboxHook, check_command
 from sandbox_provider.sandbox.options import SessionOptions
@@ -33,13 +34,14 @@ from sandbox_provider.sandbox.spec import (
     dag_run_owner,
     trace_stamps,
 )
-from sandbox_provider.sandbox.storage import check_input_source, open_storage_path
 from sandbox_provider.sandbox.transfer import (
     ExportRecord,
+    check_input,
     export_files,
     export_targets,
-    stage_files,
-    stage_inputs,
+    log_staged,
+    stage_batch,
+    stage_entries,
 )
 from sandbox_provider.sandbox.watch import SupervisorWatch, supervisor_pid
 
@@ -139,6 +141,7 @@ class SandboxSession:
         self._ended = False
         self._closed = False
         self._storage_checked = False
+        self._pending: list[ImportEntry] = []
         self._watch: SupervisorWatch | None = None
         self.export_records: list[ExportRecord] = []
 
@@ -205,13 +208,15 @@ class SandboxSession:
             return
         export_targets(self.exports, conn_id=self.export_conn_id)
         for path, url in self.inputs.items():
-            what = f"inputs[{path!r}]"
-            check_input_source(open_storage_path(url, self.input_conn_id, what), url, what)
+            check_input(url, self.input_conn_id, f"inputs[{path!r}]")
         self._storage_checked = True
 
-    def ensure(self) -> str:
+    def ensure(self, *, defer: bool = False) -> str:
         """
         Return the sandbox's handle, provisioning or attaching on first use, then staging inputs.
+
+        :param defer: leave the files and inputs for the next :meth:`run` to stage in the command's
+            own launch (one sandbox launch fewer on backends that can); any other use stages them first.
 
         :raises SandboxTerminalError: if provisioning, attaching or staging fails, or the session
             is closed, or an attached sandbox ended.
@@ -220,6 +225,8 @@ class SandboxSession:
             if self._closed:
                 raise SandboxTerminalError("This sandbox session is closed; open a new one.")
             if self._handle is not None:
+                if self._pending and not defer:
+                    self._stage_pending(self._handle)
                 return self._handle
             if self._ended:
                 raise SandboxTerminalError(
@@ -236,11 +243,20 @@ class SandboxSession:
                 raise SandboxTerminalError(f"The session was closed while sandbox {handle} was being provisioned.")
             self._watch_supervisor()
             try:
-                stage_files(self.hook, handle, self.files)
-                stage_inputs(self.hook, handle, self.inputs, conn_id=self.input_conn_id)
+                self._pending = stage_entries(self.files, self.inputs, conn_id=self.input_conn_id)
             except SandboxError as err:
                 raise SandboxTerminalError(f"Could not stage the inputs of sandbox {handle}: {err}") from err
+            if not defer:
+                self._stage_pending(handle)
             return handle
+
+    def _stage_pending(self, handle: str) -> None:
+        """Write the files and inputs not staged yet, in one batch."""
+        entries, self._pending = self._pending, []
+        try:
+            stage_batch(self.hook, handle, entries)
+        except SandboxError as err:
+            raise SandboxTerminalError(f"Could not stage the inputs of sandbox {handle}: {err}") from err
 
     def _attach(self) -> str:
         owner, holder = self._identity()
@@ -403,16 +419,16 @@ class SandboxSession:
         check_positive(timeout, "timeout")
         check_byte_count(max_output_bytes, "max_output_bytes")
         check_command(command)
-        handle = self.ensure()
+        handle = self.ensure(defer=True)
+        with self._lock:
+            stage, self._pending = self._pending, []
         shown = mask_text(command)
         if len(shown) > _COMMAND_CHARS:
             shown = shown[:_COMMAND_CHARS] + f" [... {len(shown) - _COMMAND_CHARS} more characters]"
         log.info("Running in sandbox %s (timeout %gs): %s", handle, float(timeout), shown)
         started = self._clock()
         try:
-            result = self.hook.run_command(
-                handle, command, timeout=float(timeout), max_output_bytes=int(max_output_bytes), on_output=on_output
-            )
+            result = self._run_staged(handle, command, stage, float(timeout), int(max_output_bytes), on_output)
         finally:
             flush = getattr(on_output, "flush", None)
             if callable(flush):
@@ -427,6 +443,24 @@ class SandboxSession:
                         f"The sandbox this task attached to, {self.attach_to!r}, stopped while running a command. "
                         "The task that provisioned it decides its lifetime, so nothing can replace it here."
                     )
+        return result
+
+    def _run_staged(self, handle, command, stage, timeout, max_output_bytes, on_output) -> SandboxExecResult:
+        """The command, with the files and inputs still to stage written in by the same launch."""
+        if not stage:
+            return self.hook.run_command(
+                handle, command, timeout=timeout, max_output_bytes=max_output_bytes, on_output=on_output
+            )
+        started = time.monotonic()
+        try:
+            result = self.hook.run_command(
+                handle, command, timeout=timeout, max_output_bytes=max_output_bytes, on_output=on_output, stage=stage
+            )
+        except SandboxTerminalError:
+            raise
+        except SandboxError as err:
+            raise SandboxTerminalError(f"Could not stage the inputs of sandbox {handle}: {err}") from err
+        log_staged(handle, stage, started)
         return result
 
     def read_file(self, path: str, *, max_bytes: int) -> bytes:

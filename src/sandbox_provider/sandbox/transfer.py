@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
+import os
+import posixpath
 import re
 import secrets
 import time
@@ -11,16 +14,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from sandbox_provider.sandbox.batch import ExportLimits, ExportRequest, ImportEntry, check_member_name, is_glob
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 from sandbox_provider.sandbox.output import format_size
+from sandbox_provider.sandbox.publish import PartialSink, Staged, publish, remove_partial
 from sandbox_provider.sandbox.spec import DAG_ID_TAG, MAP_INDEX_TAG, RUN_ID_TAG, TASK_ID_TAG, TRY_NUMBER_TAG
 from sandbox_provider.sandbox.storage import (
     check_export_target,
+    check_input_source,
     check_sandbox_path,
     check_storage_url,
+    file_input_dirs,
     is_local,
     open_file_input,
     open_storage_path,
+    resolve_file_input,
     same_local_file,
 )
 
@@ -44,6 +52,8 @@ __all__ = [
 
 #: The largest file an export copies unless told otherwise: 1 GiB.
 DEFAULT_MAX_EXPORT_BYTES = 1024**3
+#: The most bytes one export copies in all (every file of every entry): 16 GiB.
+DEFAULT_MAX_EXPORT_TOTAL_BYTES = 16 * 1024**3
 #: A ``.partial`` sibling this provider wrote: ``<name>.airflow-<task instance key>-<try>.partial``.
 _PARTIAL = re.compile(r"(?P<name>.+)\.airflow-(?P<key>[0-9a-f]{12})-(?P<try>\d{1,10})\.partial")
 
@@ -77,9 +87,14 @@ def check_transfer_map(mapping: Any, what: str, *, urls: bool, templated: bool =
         check_sandbox_path(path, what)
         if urls:
             if not (templated and isinstance(value, str) and "{{" in value):
-                value = check_storage_url(value, f"{what}[{path!r}]", export=what == "exports")
+                value = _check_url(path, value, what)
+        elif isinstance(value, Mapping):
+            value = _file_tree(value, f"{what}[{path!r}]")
         elif not isinstance(value, (str, bytes)):
-            raise ValueError(f"{what}[{path!r}] must be text or bytes, got {type(value).__name__}.")
+            raise ValueError(
+                f"{what}[{path!r}] must be text or bytes, or a mapping of relative names to them (a directory), "
+                f"got {type(value).__name__}."
+            )
         out[path] = value
         spelled[path] = mapping[path]
     if urls:
@@ -100,55 +115,194 @@ def check_transfer_map(mapping: Any, what: str, *, urls: bool, templated: bool =
     return out
 
 
-def stage_files(hook: SandboxHook, handle: str, files: Mapping[str, str | bytes]) -> None:
-    """Write each ``{sandbox path: text or bytes}`` entry into the sandbox."""
-    if not files:
-        return
-    started = time.monotonic()
-    total = 0
-    for path, content in files.items():
-        data = content.encode() if isinstance(content, str) else content
-        hook.write_file(handle, path, data)
-        total += len(data)
-    log.info(
-        "Wrote %d file(s) into sandbox %s (%s) in %.1fs: %s",
-        len(files),
-        handle,
-        format_size(total),
-        time.monotonic() - started,
-        ", ".join(files),
-    )
+def _check_url(path: str, value: Any, what: str) -> str:
+    """One URL of ``inputs`` or ``exports``; a trailing ``/`` (a directory) is kept."""
+    where = f"{what}[{path!r}]"
+    directory = isinstance(value, str) and value.endswith("/") and value.rstrip("/") != value.split("://")[0] + ":"
+    if what != "exports":
+        checked = check_storage_url(value, where)
+        return checked.rstrip("/") + "/" if directory else checked
+    if "**" in path:
+        raise ValueError(f"{where}: '**' is not supported in an export glob; use one '*' per directory level.")
+    if is_glob(path) and not directory:
+        raise ValueError(
+            f"{where} is a glob, which may match many files, so its destination must be a directory URL ending "
+            f"in '/', e.g. {value.rsplit('/', 1)[0] if isinstance(value, str) else 's3://bucket/prefix'}/."
+        )
+    if not directory:
+        return check_storage_url(value, where, export=True)
+    return check_storage_url(value.rstrip("/"), where, export=True) + "/"
 
 
-def stage_inputs(hook: SandboxHook, handle: str, inputs: Mapping[str, str], *, conn_id: str | None = None) -> None:
+def _file_tree(tree: Mapping[Any, Any], what: str, prefix: str = "") -> dict[str, str | bytes]:
+    """A ``files`` directory: ``{relative name: text, bytes or a further mapping}``, flattened."""
+    flat: dict[str, str | bytes] = {}
+    for name, value in tree.items():
+        if not isinstance(name, str) or check_member_name(name) != name.strip("/") or name.startswith("/"):
+            raise ValueError(
+                f"{what} names the file {name!r}; inside a directory of files= give relative names without '.', "
+                "'..' or empty parts, such as 'pkg/module.py'."
+            )
+        joined = posixpath.join(prefix, name.strip("/"))
+        if isinstance(value, Mapping):
+            flat.update(_file_tree(value, what, joined))
+        elif isinstance(value, (str, bytes)):
+            flat[joined] = value
+        else:
+            raise ValueError(f"{what}[{joined!r}] must be text or bytes, got {type(value).__name__}.")
+    return flat
+
+
+def stage_entries(
+    files: Mapping[str, Any], inputs: Mapping[str, str], *, conn_id: str | None = None
+) -> list[ImportEntry]:
     """
-    Stream each ``{sandbox path: storage URL}`` entry into the sandbox, in bounded memory.
+    The :class:`~sandbox_provider.sandbox.batch.ImportEntry` list for ``files`` (text, bytes, or a
+    mapping of them: a directory) and ``inputs`` (storage URLs; one ending in ``/`` is a directory,
+    every file below it staged under the sandbox path). Sources are opened only when copied.
 
     A ``file://`` input is read with the worker's permissions, following symlinks (the Dag author
-    chose the URL), from inside the directories ``[sandbox] file_input_dirs`` allows when that is set.
+    chose the URL), from inside the directories ``[sandbox] file_input_dirs`` allows when that is set;
+    each file of a directory input is checked the same way.
 
-    :raises SandboxError: naming the input that could not be read or written.
+    :raises SandboxTerminalError: for a ``file://`` input that is missing or not allowed.
+    :raises SandboxError: for a source whose size cannot be read.
     """
+    entries: list[ImportEntry] = []
+    for path, content in files.items():
+        tree = content if isinstance(content, Mapping) else {"": content}
+        for name, value in tree.items():
+            data = value.encode() if isinstance(value, str) else value
+            entries.append(_bytes_entry(posixpath.join(path, name) if name else path, data))
     for path, url in inputs.items():
-        what = f"inputs[{path!r}]"
-        source = open_storage_path(url, conn_id, what)
-        started = time.monotonic()
         try:
-            opened = open_file_input(source.path, url, what) if is_local(source) else source.open("rb")
-            with opened as stream:
-                size = hook.import_file(handle, path, stream)
+            entries += _input_entries(path, url, conn_id)
         except SandboxError:
             raise
         except Exception as err:
-            raise SandboxError(f"Could not stage input {url} into {path!r}: {type(err).__name__}: {err}") from err
-        log.info(
-            "Staged %s into sandbox %s at %s (%s in %.1fs)",
-            url,
-            handle,
-            path,
-            format_size(size),
-            time.monotonic() - started,
+            raise SandboxError(f"Could not read input {url} for {path!r}: {type(err).__name__}: {err}") from err
+    return entries
+
+
+def _bytes_entry(path: str, data: bytes) -> ImportEntry:
+    return ImportEntry(path=path, size=len(data), open=lambda: io.BytesIO(data))
+
+
+def _input_entries(path: str, url: str, conn_id: str | None) -> list[ImportEntry]:
+    what = f"inputs[{path!r}]"
+    source = open_storage_path(url, conn_id, what)
+    if url.endswith("/"):
+        return _directory_entries(path, url, source, what)
+    if is_local(source):
+        real = resolve_file_input(source.path, url, what)
+        return [_local_entry(path, source.path, real, url, what)]
+    size = int(source.fs.info(source.path)["size"])
+    return [ImportEntry(path, size, lambda: source.open("rb"))]
+
+
+def _local_entry(path: str, local: str, real: str, url: str, what: str) -> ImportEntry:
+    return ImportEntry(path, os.stat(real).st_size, lambda: open_file_input(local, url, what), local_path=real)
+
+
+def _directory_entries(path: str, url: str, source: ObjectStoragePath, what: str) -> list[ImportEntry]:
+    """Every file below the directory ``source``, to land below ``path``; sorted by name."""
+    entries: list[ImportEntry] = []
+    if is_local(source):
+        top = check_input_directory(source.path, url, what)
+        for root, dirs, names in os.walk(top):
+            dirs.sort()
+            for name in sorted(names):
+                local = os.path.join(root, name)
+                rel = os.path.relpath(local, top)
+                shown = url + rel
+                entries.append(
+                    _local_entry(posixpath.join(path, rel), local, resolve_file_input(local, shown, what), shown, what)
+                )
+        return entries
+    prefix = source.path.rstrip("/")
+    found = source.fs.find(prefix, detail=True)
+    for key in sorted(found):
+        info = found[key]
+        if info.get("type") == "directory" or not key.startswith(prefix + "/"):
+            continue
+        rel = key[len(prefix) + 1 :]
+        if check_member_name(rel) != rel:
+            raise SandboxError(f"{what}: the object {key!r} has a name that cannot be a path in the sandbox.")
+        entries.append(ImportEntry(posixpath.join(path, rel), int(info["size"]), _opener(source.fs, key)))
+    return entries
+
+
+def _opener(fs: Any, key: str) -> Any:
+    return lambda: fs.open(key, "rb")
+
+
+def check_input_directory(local: str, url: str, what: str) -> str:
+    """
+    The real path of a ``file://`` directory input, which must exist and (with ``[sandbox]
+    file_input_dirs`` set) lie inside the allowed directories once symlinks are followed.
+
+    :raises SandboxTerminalError: otherwise, saying what to change.
+    """
+    real = os.path.realpath(local)
+    if not os.path.isdir(real):
+        raise SandboxTerminalError(
+            f"{what} is {url}, which ends in '/' and so names a directory, and there is no directory there on this "
+            "worker. Name an existing directory, or drop the '/' to stage one file."
         )
+    dirs = file_input_dirs()
+    if dirs is not None and not any(real == d or real.startswith(d.rstrip("/") + "/") for d in dirs):
+        raise SandboxTerminalError(
+            f"{what} is {url}, outside the directories this worker stages files from ([sandbox] file_input_dirs: "
+            f"{', '.join(dirs)})."
+        )
+    return real
+
+
+def check_input(url: str, conn_id: str | None, what: str) -> None:
+    """Refuse, before anything is provisioned, a ``file://`` input (file or directory) that cannot be staged."""
+    source = open_storage_path(url, conn_id, what)
+    if not is_local(source):
+        return
+    if url.endswith("/"):
+        check_input_directory(source.path, url, what)
+    else:
+        check_input_source(source, url, what)
+
+
+def log_staged(handle: str, entries: list[ImportEntry], started: float) -> None:
+    shown = ", ".join(e.path for e in entries[:5]) + (f", ... ({len(entries) - 5} more)" if len(entries) > 5 else "")
+    log.info(
+        "Staged %d file(s) into sandbox %s (%s in %.1fs): %s",
+        len(entries),
+        handle,
+        format_size(sum(e.size for e in entries)),
+        time.monotonic() - started,
+        shown,
+    )
+
+
+def stage_files(hook: SandboxHook, handle: str, files: Mapping[str, Any]) -> None:
+    """Write each ``{sandbox path: text, bytes or a directory of them}`` entry into the sandbox, in one batch."""
+    stage_batch(hook, handle, stage_entries(files, {}))
+
+
+def stage_inputs(hook: SandboxHook, handle: str, inputs: Mapping[str, str], *, conn_id: str | None = None) -> None:
+    """Stream each ``{sandbox path: storage URL}`` entry (files and directories) into the sandbox, in one batch."""
+    stage_batch(hook, handle, stage_entries({}, inputs, conn_id=conn_id))
+
+
+def stage_batch(hook: SandboxHook, handle: str, entries: list[ImportEntry]) -> None:
+    """:meth:`~sandbox_provider.sandbox.hook.SandboxHook.import_batch` of ``entries``, logged."""
+    if not entries:
+        return
+    started = time.monotonic()
+    try:
+        hook.import_batch(handle, entries)
+    except SandboxError:
+        raise
+    except Exception as err:
+        raise SandboxError(f"Could not stage {len(entries)} file(s): {type(err).__name__}: {err}") from err
+    log_staged(handle, entries, started)
 
 
 def partial_tag(stamps: Mapping[str, str] | None) -> tuple[str, int]:
@@ -182,13 +336,8 @@ def _sweep_earlier_tries(target: ObjectStoragePath, tag: tuple[str, int]) -> Non
         found = _PARTIAL.fullmatch(sibling.name)
         if not found or found["name"] != target.name or found["key"] != key or int(found["try"]) >= try_number:
             continue
-        try:
-            sibling.unlink()
+        if remove_partial(sibling):
             log.info("Removed %s, which try %s of this task left while exporting", sibling, found["try"])
-        except FileNotFoundError:
-            pass
-        except Exception:
-            log.warning("Could not remove %s, left by an earlier try", sibling, exc_info=True)
 
 
 def remove_stale_partials(url: str, *, conn_id: str | None = None, older_than: float = 3600.0) -> list[str]:
@@ -217,9 +366,7 @@ def remove_stale_partials(url: str, *, conn_id: str | None = None, older_than: f
             modified = _modified(entry)
             if modified is None or now - modified < older_than:
                 continue
-        try:
-            entry.unlink()
-        except FileNotFoundError:
+        if not remove_partial(entry):
             continue
         removed.append(str(entry))
         log.info("Removed stale partial file %s", entry)
@@ -245,24 +392,49 @@ def _modified(entry: ObjectStoragePath) -> float | None:
     return None
 
 
+def _request(path: str, url: str) -> ExportRequest:
+    if not url.endswith("/"):
+        return ExportRequest(path)
+    return ExportRequest(path, "glob" if is_glob(path) else "tree")
+
+
 def export_targets(exports: Mapping[str, str], *, conn_id: str | None) -> dict[str, ObjectStoragePath]:
     """
     Open and check each export destination, before anything is copied (and, at session start, before
-    anything is provisioned): see :func:`~sandbox_provider.sandbox.storage.check_export_target`.
+    anything is provisioned): see :func:`~sandbox_provider.sandbox.storage.check_export_target`; a
+    directory destination (a URL ending in ``/``) must not be a file.
 
     :raises ValueError: for a URL no filesystem of this worker opens.
     :raises SandboxTerminalError: for a destination an export cannot write.
     """
     targets: dict[str, ObjectStoragePath] = {}
     for path, url in exports.items():
-        url = check_storage_url(url, f"exports[{path!r}]", export=True)
-        target = open_storage_path(url, conn_id, f"exports[{path!r}]")
-        check_export_target(target, url, path)
+        url = _check_url(path, url, "exports")
+        target = open_storage_path(url.rstrip("/"), conn_id, f"exports[{path!r}]")
+        if url.endswith("/"):
+            _check_export_directory(target, url, path)
+        else:
+            check_export_target(target, url, path)
         targets[path] = target
     clash = same_local_file({path: (exports[path], target) for path, target in targets.items()})
     if clash:
         raise ValueError(clash)
     return targets
+
+
+def _check_export_directory(target: ObjectStoragePath, url: str, path: str) -> None:
+    if not is_local(target):
+        return
+    local = target.path
+    if os.path.lexists(local) and not os.path.isdir(local):
+        raise SandboxTerminalError(
+            f"Cannot export {path!r} to {url}: it exists and is not a directory. Name a directory, or drop the '/'."
+        )
+    probe = local
+    while not os.path.isdir(probe):
+        probe = os.path.dirname(probe)
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise SandboxTerminalError(f"Cannot export {path!r} to {url}: the worker cannot write into {probe}.")
 
 
 def export_files(
@@ -272,80 +444,81 @@ def export_files(
     *,
     conn_id: str | None = None,
     max_bytes: int = DEFAULT_MAX_EXPORT_BYTES,
+    max_total_bytes: int = DEFAULT_MAX_EXPORT_TOTAL_BYTES,
     stamps: Mapping[str, str] | None = None,
 ) -> list[ExportRecord]:
     """
-    Copy each ``{sandbox path: storage URL}`` out of the sandbox, all or nothing.
+    Copy each ``{sandbox path: storage URL}`` out of the sandbox, all or nothing, in one
+    :meth:`~sandbox_provider.sandbox.hook.SandboxHook.export_batch`.
 
-    Every file is first streamed to a ``.partial`` sibling of its destination named for the task
-    instance and try (``<name>.airflow-<key>-<try>.partial``), after removing those earlier tries of
-    the same task instance left there. Only when all copies succeeded are they moved into place (a
-    rename on local storage). The first copy that fails removes every staged copy and changes no
-    destination.
+    A URL ending in ``/`` is a directory: the sandbox path is then a directory (every file below it)
+    or a glob (its matches). Every file is first copied to a ``.partial`` sibling of its destination
+    (a ``.partial`` directory for a directory) named for the task instance and try
+    (``<name>.airflow-<key>-<try>.partial``), after removing those earlier tries of the same task
+    instance left there. Only when all copies succeeded are they moved into place
+    (:mod:`~sandbox_provider.sandbox.publish` says what that means for a directory). A failed copy
+    removes every staged copy and changes no destination.
 
+    :param max_bytes: the largest file, in bytes; :param max_total_bytes: all files together.
     :param stamps: the trace stamps of the running task instance (Dag, run, task, map index, try),
         which name the partial files; None outside a task.
-    :raises SandboxTerminalError: naming the file that failed, and any staged copy that could not be
-        removed; or, when a move fails, naming the files already in place.
+    :returns: one record per entry of ``exports`` (a directory's: its URL and total size).
+    :raises SandboxTerminalError: naming what failed, and any staged copy that could not be removed;
+        or, when a move fails, naming the entries already in place.
     """
     targets = export_targets(exports, conn_id=conn_id)
     tag = partial_tag(stamps)
-    staged: list[tuple[str, ObjectStoragePath, ObjectStoragePath, int]] = []
+    staged: list[Staged] = []
+    requests: list[ExportRequest] = []
     for path, url in exports.items():
         target = targets[path]
-        partial = _partial_of(target, tag)
-        started = time.monotonic()
-        try:
-            if is_local(target):
+        request = _request(path, url)
+        requests.append(request)
+        staged.append(Staged(path, url, target, _partial_of(target, tag), directory=request.kind != "file"))
+    sink = PartialSink(staged)
+    started = time.monotonic()
+    try:
+        for entry in staged:
+            if is_local(entry.target):
                 # Only on local disk: on object storage a mkdir can create a bucket.
-                target.parent.mkdir(parents=True, exist_ok=True)
-            _sweep_earlier_tries(target, tag)
-            with partial.open("wb") as stream:
-                size = hook.export_file(handle, path, stream, max_bytes=max_bytes)
-        except Exception as err:
-            leftovers = _remove_partials([*(s[2] for s in staged), partial])
-            reason = str(err) if isinstance(err, SandboxError) else f"{type(err).__name__}: {err}"
-            message = f"Could not export {path!r} from sandbox {handle} on backend {hook.name!r} to {url}: {reason}"
-            if leftovers:
-                message += f" Left behind, to delete by hand: {', '.join(leftovers)}."
-            raise SandboxTerminalError(message) from err
-        log.info(
-            "Copied %s out of sandbox %s (%s in %.1fs) to %s",
-            path,
-            handle,
-            format_size(size),
-            time.monotonic() - started,
-            partial,
-        )
-        staged.append((path, target, partial, size))
+                entry.target.parent.mkdir(parents=True, exist_ok=True)
+            _sweep_earlier_tries(entry.target, tag)
+        hook.export_batch(handle, requests, sink, limits=ExportLimits(max_bytes, max_total_bytes))
+    except Exception as err:
+        sink.close()
+        leftovers = [str(e.partial) for e in staged if not remove_partial(e.partial)]
+        reason = str(err) if isinstance(err, SandboxError) else f"{type(err).__name__}: {err}"
+        named = [p for p in exports if repr(p) in reason or repr(p.rstrip("/")) in reason] or list(exports)
+        names = ", ".join(repr(p) for p in (named[:1] if len(named) < len(exports) else named))
+        message = f"Could not export {names} from sandbox {handle} on backend {hook.name!r}: {reason}"
+        if leftovers:
+            message += f" Left behind, to delete by hand: {', '.join(leftovers)}."
+        raise SandboxTerminalError(message) from err
+    files = sum(len(e.files) for e in staged)
+    size = sum(e.size for e in staged)
+    log.info(
+        "Copied %d file(s) out of sandbox %s (%s in %.1fs)",
+        files,
+        handle,
+        format_size(size),
+        time.monotonic() - started,
+    )
     return _publish(staged)
 
 
-def _publish(staged: list[tuple[str, ObjectStoragePath, ObjectStoragePath, int]]) -> list[ExportRecord]:
+def _publish(staged: list[Staged]) -> list[ExportRecord]:
     done: list[ExportRecord] = []
-    for path, target, partial, size in staged:
+    for entry in staged:
         try:
-            partial.move(target)
+            publish(entry)
         except Exception as err:
             in_place = ", ".join(r.url for r in done) or "none"
-            published = {r.path for r in done}
-            leftovers = _remove_partials([s[2] for s in staged if s[0] not in published])
-            message = f"Could not move the export into {target}: {err}. Already in place: {in_place}."
-            if leftovers:
-                message += f" Left behind, to delete by hand: {', '.join(leftovers)}."
+            left = [str(e.partial) for e in staged[len(done) :] if not remove_partial(e.partial)]
+            message = f"Could not move the export into {entry.url}: {err}. Already in place: {in_place}."
+            if left:
+                message += f" Left behind, to delete by hand: {', '.join(left)}."
             raise SandboxTerminalError(message) from err
-        log.info("Published %s (%s)", target, format_size(size))
-        done.append(ExportRecord(path=path, url=str(target), size_bytes=size))
+        url = str(entry.target) + ("/" if entry.directory else "")
+        log.info("Published %s (%s%s)", url, format_size(entry.size), f", {len(entry.files)} files" * entry.directory)
+        done.append(ExportRecord(path=entry.path, url=url, size_bytes=entry.size))
     return done
-
-
-def _remove_partials(partials: list[ObjectStoragePath]) -> list[str]:
-    left: list[str] = []
-    for partial in partials:
-        try:
-            if partial.exists():
-                partial.unlink()
-        except Exception:
-            log.warning("Could not remove %s after a failed export", partial, exc_info=True)
-            left.append(str(partial))
-    return left
