@@ -497,9 +497,10 @@ def export_files(
     files = sum(len(e.files) for e in staged)
     size = sum(e.size for e in staged)
     log.info(
-        "Copied %d file(s) out of sandbox %s (%s in %.1fs)",
-        files,
+        "Copied %s out of sandbox %s (%d file(s), %s in %.1fs)",
+        ", ".join(exports),
         handle,
+        files,
         format_size(size),
         time.monotonic() - started,
     )
