@@ -159,7 +159,7 @@ class LocalFiles:
         single = len(entries) == 1
         feed = transfer.ArchiveFeed(entries, archive=not single)
         if single:
-            script = guest.shell_command("write.sh", "stdin", entries[0].path, entries[0].size)
+            script = guest.shell_command("write.sh", "stdin", entries[0].path)
         else:
             script = guest.shell_command("stage.sh")
         result, error = transfer.run_with(

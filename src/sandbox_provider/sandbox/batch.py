@@ -233,11 +233,19 @@ def _kind(member: tarfile.TarInfo) -> str:
     return "not a file"
 
 
+#: Members up to this size are read from the archive's stream at once (no file object per member).
+_SMALL_MEMBER = 1024 * 1024
+
+
 def _copy_member(archive: tarfile.TarFile, member: tarfile.TarInfo, sink: ExportSink, index: int, name: str) -> None:
-    source = archive.extractfile(member)
     out = sink.begin(index, name)
     copied = 0
-    if source is not None:
+    if member.size <= _SMALL_MEMBER and not member.sparse:
+        # The stream sits at the member's data; the archive skips its padding on the next member.
+        data = archive.fileobj.read(member.size) if member.size else b""
+        out.write(data)
+        copied = len(data)
+    elif (source := archive.extractfile(member)) is not None:
         while chunk := source.read(1024 * 1024):
             out.write(chunk)
             copied += len(chunk)

@@ -9,10 +9,11 @@ import os
 import posixpath
 import re
 import secrets
+import stat
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from sandbox_provider.sandbox.batch import ExportLimits, ExportRequest, ImportEntry, check_member_name, is_glob
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
@@ -209,15 +210,7 @@ def _directory_entries(path: str, url: str, source: ObjectStoragePath, what: str
     entries: list[ImportEntry] = []
     if is_local(source):
         top = check_input_directory(source.path, url, what)
-        for root, dirs, names in os.walk(top):
-            dirs.sort()
-            for name in sorted(names):
-                local = os.path.join(root, name)
-                rel = os.path.relpath(local, top)
-                shown = url + rel
-                entries.append(
-                    _local_entry(posixpath.join(path, rel), local, resolve_file_input(local, shown, what), shown, what)
-                )
+        _walk_local(top, "", path, url, what, entries)
         return entries
     prefix = source.path.rstrip("/")
     found = source.fs.find(prefix, detail=True)
@@ -230,6 +223,45 @@ def _directory_entries(path: str, url: str, source: ObjectStoragePath, what: str
             raise SandboxError(f"{what}: the object {key!r} has a name that cannot be a path in the sandbox.")
         entries.append(ImportEntry(posixpath.join(path, rel), int(info["size"]), _opener(source.fs, key)))
     return entries
+
+
+def _walk_local(top: str, rel: str, path: str, url: str, what: str, entries: list[ImportEntry]) -> None:
+    """
+    The files below ``top/rel``: a plain file lies inside the checked (real) ``top``, so it needs no
+    check of its own and opens without following links; a symlink is resolved and checked like any
+    ``file://`` input. Symlinks to directories are not followed.
+    """
+    with os.scandir(os.path.join(top, rel)) as listing:
+        found = sorted(listing, key=lambda e: e.name)
+    for item in found:
+        name = posixpath.join(rel, item.name) if rel else item.name
+        if item.is_dir(follow_symlinks=False):
+            _walk_local(top, name, path, url, what, entries)
+        elif item.is_file(follow_symlinks=False):
+            size = item.stat(follow_symlinks=False).st_size
+            entries.append(
+                ImportEntry(posixpath.join(path, name), size, _nofollow_opener(item.path, url + name), item.path)
+            )
+        elif item.is_symlink():
+            real = resolve_file_input(item.path, url + name, what)
+            entries.append(_local_entry(posixpath.join(path, name), item.path, real, url + name, what))
+        else:
+            raise SandboxTerminalError(f"{what}: {url + name} is not a regular file; stage regular files only.")
+
+
+def _nofollow_opener(local: str, shown: str) -> Any:
+    def opened() -> IO[bytes]:
+        try:
+            fd = os.open(local, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+        except OSError as err:
+            raise SandboxError(f"Could not open input {shown}: {err.strerror}") from err
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise SandboxError(f"Input {shown} changed into something that is not a regular file; stage files only.")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+
+    return opened
 
 
 def _opener(fs: Any, key: str) -> Any:

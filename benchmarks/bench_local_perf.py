@@ -1,0 +1,192 @@
+"""
+The local backend's rows of the performance table (issue 14), each measured interleaved against
+what a user would pick instead (``harness.compare``: A, B, A, B ..., median, min and max of the
+per-round ratio):
+
+- staging 1 GiB from ``file://`` into a sandbox, against ``cp`` onto the same disk (goal: at least
+  0.8x cp's throughput, i.e. a time ratio of at most 1.25), and the worker's peak memory growth
+  meanwhile (goal: at most 64 MiB);
+- 10,000 files of 1 KiB staged as one directory, against ``tar -c | tar -x`` (goal: within 2x);
+- the same 10,000 files exported as one directory to ``file://``, against ``tar -c | tar -x`` of
+  the sandbox's workspace (goal: within 2x);
+- ``@task.sandbox`` returning ``a + b``, in-task time (create, stage, run, read, destroy), against a
+  raw ``bwrap ... python3 -c`` with the same namespaces and mounts (goal: within 2x) and against
+  ``@task.external_python`` on the same interpreter (goal: at most 1.0x).
+
+    .venv/bin/python benchmarks/bench_local_perf.py [--rounds 5] [--files 10000] [--stage-mib 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+from unittest import mock
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from harness import Comparison, compare, print_table  # noqa: E402
+
+from sandbox_provider.hooks import _local_driver as driver  # noqa: E402
+from sandbox_provider.hooks._local_ids import DEFAULT_UID_RANGE, parse_uid_range  # noqa: E402
+from sandbox_provider.hooks.local import LocalSandboxHook  # noqa: E402
+from sandbox_provider.sandbox.transfer import export_files, stage_inputs  # noqa: E402
+
+Row = tuple[Comparison, str]
+
+
+def _tar_copy(source: str, dest: str) -> None:
+    os.makedirs(dest)
+    subprocess.run(f"tar -c -C '{source}' . | tar -x -C '{dest}'", shell=True, check=True)
+
+
+def staging_rows(hook: LocalSandboxHook, root: str, *, rounds: int, files: int, stage_mib: int) -> list[Row]:
+    handle = hook.create()
+    workspace = os.path.join(hook.state_root, handle, "workspace")
+    counter = itertools.count()
+    rows: list[Row] = []
+    try:
+        big = os.path.join(root, "big.bin")
+        with open(big, "wb") as f:
+            for _ in range(stage_mib):
+                f.write(os.urandom(1024 * 1024))
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        rows.append(
+            (
+                compare(
+                    f"stage {stage_mib} MiB (file://)",
+                    lambda: stage_inputs(hook, handle, {f"big{next(counter) % 2}.bin": f"file://{big}"}),
+                    "cp",
+                    lambda: subprocess.run(
+                        ["cp", big, os.path.join(workspace, f"cp{next(counter) % 2}.bin")], check=True
+                    ),
+                    rounds=rounds,
+                ),
+                "(goal: time ratio <= 1.25, i.e. >= 0.8x cp's throughput)",
+            )
+        )
+        grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+        print(f"memory: the worker's peak RSS grew {grown:.1f} MiB while staging (goal <= 64 MiB)", flush=True)
+        os.unlink(big)
+        hook.run_command(handle, "rm -f big0.bin big1.bin cp0.bin cp1.bin", timeout=60, max_output_bytes=999)
+
+        tree = os.path.join(root, "tree")
+        for i in range(files):
+            sub = os.path.join(tree, f"d{i % 100:02d}")
+            os.makedirs(sub, exist_ok=True)
+            with open(os.path.join(sub, f"f{i:05d}.txt"), "wb") as f:
+                f.write(os.urandom(1024))
+        rows.append(
+            (
+                compare(
+                    f"stage {files} x 1 KiB as a directory",
+                    lambda: stage_inputs(hook, handle, {f"in{next(counter)}": f"file://{tree}/"}),
+                    "tar -c | tar -x",
+                    lambda: _tar_copy(tree, os.path.join(workspace, f"tar{next(counter)}")),
+                    rounds=rounds,
+                ),
+                "(goal <= 2x)",
+            )
+        )
+        out = os.path.join(root, "out")
+        stage_inputs(hook, handle, {"exported": f"file://{tree}/"})
+        rows.append(
+            (
+                compare(
+                    f"export {files} x 1 KiB as a directory",
+                    lambda: export_files(hook, handle, {"exported": f"file://{out}/e{next(counter)}/"}),
+                    "tar -c | tar -x",
+                    lambda: _tar_copy(os.path.join(workspace, "exported"), os.path.join(out, f"t{next(counter)}")),
+                    rounds=rounds,
+                ),
+                "(goal <= 2x)",
+            )
+        )
+    finally:
+        hook.destroy(handle)
+    return rows
+
+
+def _raw_bwrap(root: str) -> list[str]:
+    """The raw tool with this backend's namespaces and mounts, as the same kind of user, on a plain box."""
+    uid = parse_uid_range(DEFAULT_UID_RANGE)[1] if os.geteuid() == 0 else os.getuid()
+    box = os.path.join(root, "raw", "box")
+    for sub in ("", "workspace", "tmp"):
+        os.makedirs(os.path.join(box, sub), mode=0o700, exist_ok=True)
+        os.chown(os.path.join(box, sub), uid, uid)
+    os.chmod(os.path.join(root, "raw"), 0o711)
+    argv = driver.bwrap_argv(
+        shutil.which("bwrap") or "bwrap",
+        box=box,
+        workdir="/workspace",
+        binds=driver.system_binds(None, "/workspace", False),
+        network=False,
+        shm_bytes=64 << 20,
+    )
+    drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if os.geteuid() == 0 else []
+    return [*drop, *argv, "--"]
+
+
+def task_rows(hook: LocalSandboxHook, root: str, *, rounds: int) -> list[Row]:
+    from airflow.sdk import DAG, task
+
+    def add(a, b):
+        return a + b
+
+    with DAG("bench", schedule=None) as dag:
+        task.sandbox(python="/usr/bin/python3", backend=hook)(add)(2, 3)
+        task.external_python(python="/usr/bin/python3", task_id="ext")(add)(2, 3)
+    sandboxed, external = dag.tasks
+    ti = mock.MagicMock(dag_id="bench", run_id="r", task_id="add", map_index=-1)
+    context = {"ti": ti, "run_id": "r"}
+    raw = _raw_bwrap(root)
+
+    def ours() -> None:
+        assert sandboxed.execute(context) == 5
+
+    def floor() -> None:
+        subprocess.run([*raw, "/usr/bin/python3", "-c", "print(2 + 3)"], check=True, capture_output=True)
+
+    def theirs() -> None:
+        assert external.execute(context) == 5
+
+    return [
+        (compare("@task.sandbox a+b", ours, "raw bwrap python3 -c", floor, rounds=rounds), "(goal <= 2x)"),
+        (compare("@task.sandbox a+b", ours, "@task.external_python", theirs, rounds=rounds), "(goal <= 1.0x)"),
+    ]
+
+
+def rows(*, rounds: int = 5, files: int = 10_000, stage_mib: int = 1024) -> list[Row]:
+    """Every local row of the table; the hook's first-use probe is out of the measurement."""
+    root = tempfile.mkdtemp(prefix="sandbox-bench-")
+    os.chmod(root, 0o711)  # a root worker runs sandboxes as an unprivileged user, who must pass through
+    hook = LocalSandboxHook(state_root=os.path.join(root, "state"))
+    try:
+        hook.destroy(hook.create())
+        return [
+            *staging_rows(hook, root, rounds=rounds, files=files, stage_mib=stage_mib),
+            *task_rows(hook, root, rounds=rounds),
+        ]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--files", type=int, default=10_000)
+    parser.add_argument("--stage-mib", type=int, default=1024)
+    args = parser.parse_args()
+    import logging
+
+    logging.disable(logging.INFO)
+    print_table(rows(rounds=args.rounds, files=args.files, stage_mib=args.stage_mib))
+
+
+if __name__ == "__main__":
+    main()
