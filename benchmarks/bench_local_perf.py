@@ -57,36 +57,37 @@ def _tar_copy(source: str, dest: str) -> None:
     subprocess.run(f"tar -c -C '{source}' . | tar -x -C '{dest}'", shell=True, check=True)
 
 
+def _big_staging_row(hook, handle: str, root: str, workspace: str, *, rounds: int, stage_mib: int) -> Row:
+    counter = itertools.count()
+    big = os.path.join(root, "big.bin")
+    with open(big, "wb") as f:
+        for _ in range(stage_mib):
+            f.write(os.urandom(1024 * 1024))
+    before = _reset_peak_rss()
+    row = (
+        compare(
+            f"stage {stage_mib} MiB (file://)",
+            lambda: stage_inputs(hook, handle, {f"big{next(counter) % 2}.bin": f"file://{big}"}),
+            "cp",
+            lambda: subprocess.run(["cp", big, os.path.join(workspace, f"cp{next(counter) % 2}.bin")], check=True),
+            rounds=rounds,
+        ),
+        "(goal: time ratio <= 1.25, i.e. >= 0.8x cp's throughput)",
+    )
+    grown = (_peak_rss() - before) / 1024
+    print(f"memory: the worker's peak RSS grew {grown:.1f} MiB while staging (goal <= 64 MiB)", flush=True)
+    os.unlink(big)
+    hook.run_command(handle, "rm -f big0.bin big1.bin cp0.bin cp1.bin", timeout=60, max_output_bytes=999)
+    return row
+
+
 def staging_rows(hook: LocalSandboxHook, root: str, *, rounds: int, files: int, stage_mib: int) -> list[Row]:
     handle = hook.create()
     workspace = os.path.join(hook.state_root, handle, "workspace")
     counter = itertools.count()
     rows: list[Row] = []
     try:
-        big = os.path.join(root, "big.bin")
-        with open(big, "wb") as f:
-            for _ in range(stage_mib):
-                f.write(os.urandom(1024 * 1024))
-        before = _reset_peak_rss()
-        rows.append(
-            (
-                compare(
-                    f"stage {stage_mib} MiB (file://)",
-                    lambda: stage_inputs(hook, handle, {f"big{next(counter) % 2}.bin": f"file://{big}"}),
-                    "cp",
-                    lambda: subprocess.run(
-                        ["cp", big, os.path.join(workspace, f"cp{next(counter) % 2}.bin")], check=True
-                    ),
-                    rounds=rounds,
-                ),
-                "(goal: time ratio <= 1.25, i.e. >= 0.8x cp's throughput)",
-            )
-        )
-        grown = (_peak_rss() - before) / 1024
-        print(f"memory: the worker's peak RSS grew {grown:.1f} MiB while staging (goal <= 64 MiB)", flush=True)
-        os.unlink(big)
-        hook.run_command(handle, "rm -f big0.bin big1.bin cp0.bin cp1.bin", timeout=60, max_output_bytes=999)
-
+        rows.append(_big_staging_row(hook, handle, root, workspace, rounds=rounds, stage_mib=stage_mib))
         tree = os.path.join(root, "tree")
         for i in range(files):
             sub = os.path.join(tree, f"d{i % 100:02d}")

@@ -518,14 +518,7 @@ def export_files(
         hook.export_batch(handle, requests, sink, limits=ExportLimits(max_bytes, max_total_bytes))
     except Exception as err:
         sink.close()
-        leftovers = [str(e.partial) for e in staged if not remove_partial(e.partial)]
-        reason = str(err) if isinstance(err, SandboxError) else f"{type(err).__name__}: {err}"
-        named = [p for p in exports if repr(p) in reason or repr(p.rstrip("/")) in reason] or list(exports)
-        names = ", ".join(repr(p) for p in (named[:1] if len(named) < len(exports) else named))
-        message = f"Could not export {names} from sandbox {handle} on backend {hook.name!r}: {reason}"
-        if leftovers:
-            message += f" Left behind, to delete by hand: {', '.join(leftovers)}."
-        raise SandboxTerminalError(message) from err
+        raise _export_failure(err, staged, exports, hook, handle) from err
     files = sum(len(e.files) for e in staged)
     size = sum(e.size for e in staged)
     log.info(
@@ -537,6 +530,18 @@ def export_files(
         time.monotonic() - started,
     )
     return _publish(staged)
+
+
+def _export_failure(err: Exception, staged: list[Staged], exports: Mapping[str, str], hook, handle: str):
+    """The error for a failed export batch, after removing every partial copy it made."""
+    leftovers = [str(e.partial) for e in staged if not remove_partial(e.partial)]
+    reason = str(err) if isinstance(err, SandboxError) else f"{type(err).__name__}: {err}"
+    named = [p for p in exports if repr(p) in reason or repr(p.rstrip("/")) in reason] or list(exports)
+    names = ", ".join(repr(p) for p in (named[:1] if len(named) < len(exports) else named))
+    message = f"Could not export {names} from sandbox {handle} on backend {hook.name!r}: {reason}"
+    if leftovers:
+        message += f" Left behind, to delete by hand: {', '.join(leftovers)}."
+    return SandboxTerminalError(message)
 
 
 def _publish(staged: list[Staged]) -> list[ExportRecord]:
