@@ -15,9 +15,9 @@ import logging
 import re
 import time
 from abc import abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, Any, ClassVar
+from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from airflow.sdk import BaseHook
 
@@ -43,6 +43,9 @@ from sandbox_provider.sandbox.spec import (
     new_sandbox_name,
     trace_stamps,
 )
+
+if TYPE_CHECKING:
+    from sandbox_provider.sandbox.batch import ExportLimits, ExportRequest, ExportSink, ImportEntry
 
 log = logging.getLogger(__name__)
 
@@ -565,6 +568,30 @@ class SandboxHook(BaseHook):
         :raises SandboxError: if ``path`` is missing or not a directory, or holds more entries than one
             listing returns.
         """
+
+    def import_batch(self, handle: str, entries: Sequence[ImportEntry]) -> int:
+        """
+        Write each :class:`~sandbox_provider.sandbox.batch.ImportEntry` (a regular file) in, making
+        parent directories, replacing what is there; return the bytes. Default: ``import_file`` each.
+
+        :raises SandboxError: naming the entry that failed; :raises SandboxTerminalError: sandbox gone.
+        """
+        from sandbox_provider.sandbox.batch import default_import_batch
+
+        return default_import_batch(self, self.check_handle(handle), entries)
+
+    def export_batch(
+        self, handle: str, requests: Sequence[ExportRequest], sink: ExportSink, *, limits: ExportLimits
+    ) -> int:
+        """
+        Copy the regular files each :class:`~sandbox_provider.sandbox.batch.ExportRequest` names (as the
+        sandbox sees them) into ``sink``, within ``limits``; return the bytes. Default: ``export_file`` each.
+
+        :raises SandboxFileTooLargeError: over a limit; :raises SandboxError: missing, wrong kind, hostile.
+        """
+        from sandbox_provider.sandbox.batch import default_export_batch
+
+        return default_export_batch(self, self.check_handle(handle), requests, sink, limits=limits)
 
     # -- attach: see sandbox.attach.Attachable -------------------------------------------------------
 
