@@ -322,6 +322,13 @@ class SandboxHook(BaseHook):
     def _destroy(self, handle: str) -> None:
         """Remove the sandbox and everything in it; a sandbox that is gone is not an error."""
 
+    def _run_staged(
+        self, handle: str, command: str, stage: Sequence[ImportEntry], *, timeout: float, output: OutputSink
+    ) -> RunOutcome:
+        """``_run`` after writing ``stage`` in: :meth:`import_batch`, then ``_run``; override to do both at once."""
+        self.import_batch(handle, stage)
+        return self._run(handle, command, timeout=timeout, output=output)
+
     def _refusal(self, spec: SandboxSpec) -> str | None:
         """A backend-specific reason to refuse ``spec``, phrased as what to change; None to accept."""
         return None
@@ -468,6 +475,7 @@ class SandboxHook(BaseHook):
         timeout: float,
         max_output_bytes: int,
         on_output: OutputCallback | None = None,
+        stage: Sequence[ImportEntry] = (),
     ) -> SandboxExecResult:
         """
         Run ``command`` through ``sh -c`` in the sandbox's working directory.
@@ -476,7 +484,9 @@ class SandboxHook(BaseHook):
             sandbox's remaining lifetime when that is shorter (``applied_timeout`` says what applied).
         :param max_output_bytes: bytes kept per stream (the tail), applied while reading.
         :param on_output: called with ``("stdout" | "stderr", bytes)`` as output arrives, for live logs.
-        :raises SandboxError: for an empty command or one holding NUL.
+        :param stage: files to write in first (see :meth:`import_batch`), in the same launch where the
+            backend can (``_run_staged``); a failure to write them raises before the command runs.
+        :raises SandboxError: for an empty command or one holding NUL, or files that could not be staged.
         :raises SandboxTerminalError: if the sandbox is gone or past its lifetime.
         """
         handle = self.check_handle(handle)
@@ -485,7 +495,10 @@ class SandboxHook(BaseHook):
         check_command(command)
         budget = self._deadline(handle, float(timeout))
         sink = OutputSink(int(max_output_bytes), on_output)
-        outcome = self._run(handle, command, timeout=budget, output=sink)
+        if stage:
+            outcome = self._run_staged(handle, command, stage, timeout=budget, output=sink)
+        else:
+            outcome = self._run(handle, command, timeout=budget, output=sink)
         if outcome.sandbox_terminated:
             self._known_expiry.pop(handle, None)
         return sink.result(outcome, budget)
