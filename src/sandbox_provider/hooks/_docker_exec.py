@@ -130,21 +130,9 @@ def run_exec(
     :raises docker.errors.APIError: when the exec cannot be created or started.
     """
     token = secrets.token_hex(16)
-    env = {**(environment or {}), STATUS_ENV: token}
-    exec_id = api.exec_create(
-        container,
-        argv,
-        stdin=stdin is not None,
-        stdout=True,
-        stderr=True,
-        tty=False,
-        user=user,
-        workdir=workdir,
-        environment=env,
-    )["Id"]
-    sock = api.exec_start(exec_id, socket=True)
-    raw = getattr(sock, "_sock", sock)
-    raw.settimeout(None)  # a silent command is not a broken connection
+    exec_id, raw = _start(
+        api, container, argv, user, workdir, stdin is not None, {**(environment or {}), STATUS_ENV: token}
+    )
     pump = _Pump(raw, on_output, _Trailer(token))
     reader = threading.Thread(target=pump.run, daemon=True, name=f"exec-{container}")
     reader.start()
@@ -171,6 +159,19 @@ def run_exec(
         return ExecEnd(status, False, False, error, read[0], True, True)
     code, started = _exit_status(api, exec_id)
     return ExecEnd(code, swept, sweep_failed, error, read[0], started)
+
+
+def _start(
+    api: Any, container: str, argv: list[str], user: str, workdir: str, stdin: bool, env: Mapping[str, str]
+) -> tuple[str, Any]:
+    """Create and start the exec; return its id and the raw socket of its stream."""
+    exec_id = api.exec_create(
+        container, argv, stdin=stdin, stdout=True, stderr=True, tty=False, user=user, workdir=workdir, environment=env
+    )["Id"]
+    sock = api.exec_start(exec_id, socket=True)
+    raw = getattr(sock, "_sock", sock)
+    raw.settimeout(None)  # a silent command is not a broken connection
+    return exec_id, raw
 
 
 class _Pump:
