@@ -2,7 +2,7 @@
 Benchmarks for the Docker sandbox backend, run by hand against a real Engine:
 
     bash scripts/docker/prepare.sh
-    .venv/bin/python benchmarks/bench_docker.py [--rounds 20] [--export-mib 1024]
+    .venv/bin/python benchmarks/bench_docker.py [--rounds 20]
 
 1. Lifecycle: ``create`` + ``run_command("true")`` + ``destroy`` through the hook, against the raw
    ``docker`` SDK calls for a container with the same settings (create and start it, exec ``true``
@@ -10,9 +10,8 @@ Benchmarks for the Docker sandbox backend, run by hand against a real Engine:
    sweep of leftovers before each create, waiting for the keeper, the runner around the command and
    the keeper's sweep after it. Rounds alternate (``harness.compare``); goal: the median of the
    per-round ratios at most 1.10.
-2. Export: ``export_file`` of a file of ``--export-mib`` MiB to a local file, against ``docker cp``
-   of the same file. Goal: at least half of ``docker cp``'s throughput, and the worker's peak
-   memory (max RSS) growing by at most 64 MiB for 1 GiB.
+(Transfers against ``docker cp`` are in ``bench_docker_transfer.py``; ``@task.sandbox`` against
+``@task.docker`` in ``bench_docker_task.py``.)
 
 Prints one JSON object with the figures and whether each goal was met. Exits 0 either way: it
 reports, it does not judge.
@@ -23,13 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 
 IMAGE = os.environ.get("SANDBOX_DOCKER_IMAGE", "airflow-sandbox-python:bookworm")
 CONN_ID = "sandbox_docker_bench"
@@ -37,10 +31,6 @@ os.environ.setdefault(
     f"AIRFLOW_CONN_{CONN_ID.upper()}", json.dumps({"conn_type": "sandbox_docker", "extra": {"image": IMAGE}})
 )
 os.environ.setdefault("AIRFLOW__CORE__UNIT_TEST_MODE", "True")
-
-
-def _max_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def raw_lifecycle(client, index: int) -> None:
@@ -103,50 +93,9 @@ def bench_lifecycle(hook, client, rounds: int) -> dict:
     }
 
 
-def bench_export(hook, mib: int) -> dict:
-    handle = hook.create()
-    workdir = tempfile.mkdtemp(prefix="bench-docker-", dir="/var/tmp")
-    try:
-        made = hook.run_command(
-            handle, f"head -c {mib}M /dev/urandom > big.bin && sync", timeout=600, max_output_bytes=4096
-        )
-        assert made.ok, made
-        size = mib * 1024 * 1024
-        cp_target = os.path.join(workdir, "cp.bin")
-        began = time.perf_counter()
-        subprocess.run(["docker", "cp", f"{handle}:/workspace/big.bin", cp_target], check=True)
-        cp_seconds = time.perf_counter() - began
-        os.unlink(cp_target)
-        rss_before = _max_rss_bytes()
-        target = os.path.join(workdir, "export.bin")
-        began = time.perf_counter()
-        with open(target, "wb") as stream:
-            copied = hook.export_file(handle, "big.bin", stream, max_bytes=size)
-        export_seconds = time.perf_counter() - began
-        rss_growth = _max_rss_bytes() - rss_before
-        assert copied == size == os.path.getsize(target)
-        export_rate, cp_rate = size / export_seconds / 2**20, size / cp_seconds / 2**20
-        return {
-            "size_mib": mib,
-            "export_s": round(export_seconds, 2),
-            "export_mib_per_s": round(export_rate, 1),
-            "docker_cp_s": round(cp_seconds, 2),
-            "docker_cp_mib_per_s": round(cp_rate, 1),
-            "ratio_to_docker_cp": round(export_rate / cp_rate, 2),
-            "goal_half_of_docker_cp": export_rate >= cp_rate / 2,
-            "peak_rss_growth_mib": round(rss_growth / 2**20, 1),
-            "goal_rss_growth_le_64mib": rss_growth <= 64 * 2**20,
-        }
-    finally:
-        hook.destroy(handle)
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--export-mib", type=int, default=1024)
-    parser.add_argument("--skip-export", action="store_true")
     args = parser.parse_args()
 
     import docker
@@ -156,9 +105,6 @@ def main() -> int:
     client = docker.from_env(version="auto")
     hook = DockerSandboxHook(CONN_ID, pull="never")
     report = {"engine": client.version().get("Version"), "image": IMAGE}
-    # Export first, so the RSS figure is not lifted by anything the lifecycle rounds allocated.
-    if not args.skip_export:
-        report["export"] = bench_export(hook, args.export_mib)
     report["lifecycle"] = bench_lifecycle(hook, client, args.rounds)
     json.dump(report, sys.stdout, indent=2)
     print()

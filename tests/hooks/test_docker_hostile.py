@@ -37,6 +37,7 @@ docker = pytest.importorskip("docker")
 
 from conftest import DOCKER_IMAGE  # noqa: E402
 from sandbox_provider.hooks import _docker_driver as driver  # noqa: E402
+from sandbox_provider.hooks._docker_exec import DEADLINE_GRACE  # noqa: E402
 from sandbox_provider.hooks.docker import SANDBOX_LABEL, DockerSandboxHook  # noqa: E402
 
 pytestmark = pytest.mark.docker
@@ -224,6 +225,28 @@ def test_the_command_cannot_trace_the_runner(hook, sandbox):
     assert lines == ["/.airflow-sandbox/sh -1 1", "timeout 0 0"], lines
 
 
+def test_a_command_cannot_forge_the_end_of_its_runner(hook, sandbox, docker_client):
+    # The runner's status token is in no environment the command can read, its own or the runner's.
+    probe = (
+        "env | grep -c AIRFLOW_SANDBOX_STATUS; "
+        "for p in /proc/[0-9]*; do cat $p/environ 2>/dev/null; done | tr '\\0' '\\n' | grep -c AIRFLOW_SANDBOX_STATUS"
+    )
+    assert sh(hook, sandbox, probe).stdout.split() == ["0", "0"]
+    # A forged trailer as the last output, the runner killed, a daemon left: the hook still sweeps.
+    forge = (
+        "setsid sh -c 'exec sleep 300' < /dev/null > /dev/null 2>&1 & sleep 0.2; "
+        "printf '\\036sandbox-status:%s:0\\n' 0123456789abcdef0123456789abcdef >&2; "
+        "kill -KILL $(ps -o ppid= -p $PPID)"
+    )
+    result = sh(hook, sandbox, forge)
+    assert result.exit_code == 137 and not result.sandbox_terminated, result
+    assert "sandbox-status:0123456789abcdef" in result.stderr  # the forgery stays the command's own output
+    assert user_processes(docker_client, sandbox) == []
+    # The positive control: without the kill the runner itself ends the daemon, and reports its status.
+    assert sh(hook, sandbox, "setsid sh -c 'exec sleep 300' < /dev/null > /dev/null 2>&1 & exit 3").exit_code == 3
+    assert user_processes(docker_client, sandbox) == []
+
+
 def test_a_process_that_stops_everything_it_can_see_is_swept_too(hook, sandbox, docker_client):
     # It stops the runner, which cannot end it then; so the command cannot end by itself (the
     # positive control), and the hook's sweep at the deadline ends it all.
@@ -231,7 +254,7 @@ def test_a_process_that_stops_everything_it_can_see_is_swept_too(hook, sandbox, 
     began = time.monotonic()
     result = sh(hook, sandbox, spinner, timeout=3)
     assert result.timed_out and not result.sandbox_terminated, result
-    assert time.monotonic() - began < 3 + driver.DEADLINE_GRACE + 5
+    assert time.monotonic() - began < 3 + DEADLINE_GRACE + 5
     assert user_processes(docker_client, sandbox) == []
     assert sh(hook, sandbox, "echo still here").stdout == "still here\n"
 

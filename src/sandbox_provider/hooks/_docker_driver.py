@@ -9,13 +9,13 @@ from __future__ import annotations
 import io
 import json
 import math
-import socket
+import os
 import tarfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import Any
 
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxTerminalError
@@ -54,16 +54,12 @@ SWEEP_TIMEOUT = 10.0
 SWEEP_RESIGNAL = 1.0
 #: Seconds a new container's keeper may take to start.
 KEEPER_START_TIMEOUT = 30.0
-#: Seconds past a command's deadline before the hook sweeps it itself.
-DEADLINE_GRACE = 1.0
-#: Seconds an exec stream may stay open after a sweep (the Engine flushes and closes it).
-STREAM_CLOSE_WAIT = 5.0
+#: The status and stderr mark of ``docker_wait.sh`` when the keeper of a new sandbox never got ready.
+KEEPER_MISSING_STATUS, KEEPER_MISSING_MARK = 125, b"sandbox-keeper-missing"
 #: Seconds a container may stay created and never started before a sweep removes it.
 CREATED_GRACE = 300.0
 #: Shortest deadline sent: coreutils ``timeout`` reads a deadline of 0 as none at all.
 MIN_DEADLINE_SECONDS = 0.001
-#: Bytes per piece on an exec's standard input.
-STDIN_CHUNK_BYTES = 1024 * 1024
 #: Storage drivers whose ``size`` storage option limits a container's writable layer.
 QUOTA_DRIVERS = "overlay2 on xfs mounted with pquota, btrfs, zfs, devicemapper, windowsfilter"
 
@@ -73,6 +69,21 @@ QUOTA_DRIVERS = "overlay2 on xfs mounted with pquota, btrfs, zfs, devicemapper, 
 _GUARD = threading.Lock()
 _LOCKS: dict[str, threading.Lock] = {}
 _SWEPT: set[str] = set()
+
+
+_FRESH: set[str] = set()
+
+
+def mark_fresh(handle: str, fresh: bool) -> None:
+    """Record whether sandbox ``handle`` was just started here, its keeper maybe not ready yet."""
+    with _GUARD:
+        (_FRESH.add if fresh else _FRESH.discard)(handle)
+
+
+def is_fresh(handle: str) -> bool:
+    """True while no program has run in sandbox ``handle`` since this process started it."""
+    with _GUARD:
+        return handle in _FRESH
 
 
 def sandbox_lock(handle: str) -> threading.Lock:
@@ -104,9 +115,24 @@ def keeper_entrypoint(lifetime: float, user: str) -> list[str]:
     return ["sh", "-c", _code("docker_keeper.sh"), "sandbox-keeper", owner, str(math.ceil(lifetime))]
 
 
-def runner_argv(command: str, seconds: float) -> list[str]:
-    """The exec's argv for one command with a deadline of ``seconds``, under the keeper's copy of sh."""
-    return [RUNNER_SHELL, "-c", _code("docker_run.sh"), "sandbox-run", deadline_arg(seconds), command]
+def runner_argv(command: str, seconds: float, *, staged: bool = False) -> list[str]:
+    """
+    The exec's argv for one command with a deadline of ``seconds``, under the keeper's copy of sh;
+    ``staged``: the archive on its standard input is extracted first (``stage.sh``).
+    """
+    stage = [_code("stage.sh")] if staged else []
+    return [RUNNER_SHELL, "-c", _code("docker_run.sh"), "sandbox-run", deadline_arg(seconds), command, *stage]
+
+
+def op_argv(program: str, name: str, *args: str) -> list[str]:
+    """The exec's argv for a file operation: the guest program ``program`` (named ``name``) under ``docker_op.sh``."""
+    return ["sh", "-c", _code("docker_op.sh"), "sandbox-op", program, name, *args]
+
+
+def wait_argv(argv: list[str]) -> list[str]:
+    """``argv`` started once the keeper of a new sandbox is ready (its witness file is there)."""
+    ticks = str(int(KEEPER_START_TIMEOUT * 100))
+    return ["sh", "-c", _code("docker_wait.sh"), "sandbox-wait", ticks, WITNESS_FILE, *argv]
 
 
 def _code(name: str) -> str:
@@ -352,159 +378,6 @@ def leftovers(found: Iterable[DockerSandboxInfo], *, now: float, created_grace: 
     return result
 
 
-@dataclass(frozen=True)
-class ExecEnd:
-    """
-    How an exec ended.
-
-    :param exit_code: its status, or None when it was still running when the hook stopped waiting.
-    :param swept: the deadline passed and the hook swept the container to end it.
-    :param sweep_failed: that sweep did not happen (the keeper did not answer).
-    :param error: what broke the stream before the command ended, if anything did.
-    :param stdin_read: bytes read from the standard input source (the rest sent was padding).
-    :param started: the Engine started the program (False: the runtime could not, and said why in
-        the output).
-    """
-
-    exit_code: int | None
-    swept: bool
-    sweep_failed: bool
-    error: BaseException | None
-    stdin_read: int = 0
-    started: bool = True
-
-
-def run_exec(
-    api: Any,
-    container: str,
-    argv: list[str],
-    *,
-    user: str,
-    workdir: str,
-    deadline: float,
-    on_output: Callable[[int, bytes], None],
-    stdin: IO[bytes] | None = None,
-    stdin_size: int | None = None,
-) -> ExecEnd:
-    """
-    Run ``argv`` in ``container`` as ``user`` and stream its output to ``on_output(1 | 2, bytes)``.
-
-    ``stdin`` (with ``stdin_size`` bytes, padded with NULs if it ends early) feeds standard input;
-    the program must read exactly that many bytes, since the stream is not closed after them. When
-    the output has not ended ``deadline`` seconds after the start plus a short grace, or when
-    ``on_output`` raises, the container is swept, which ends every process but the keeper, and the
-    stream with them. An exception raised in the calling thread while it waits (a task timeout,
-    Ctrl-C) sweeps the same way, then propagates.
-
-    :raises docker.errors.APIError: when the exec cannot be created or started.
-    """
-    exec_id = api.exec_create(
-        container, argv, stdin=stdin is not None, stdout=True, stderr=True, tty=False, user=user, workdir=workdir
-    )["Id"]
-    sock = api.exec_start(exec_id, socket=True)
-    raw = getattr(sock, "_sock", sock)
-    raw.settimeout(None)  # a silent command is not a broken connection
-    pump = _Pump(sock, on_output)
-    reader = threading.Thread(target=pump.run, daemon=True, name=f"exec-{container}")
-    reader.start()
-    read = [0]
-    feeder = None
-    if stdin is not None:
-        feeder = threading.Thread(target=_feed, args=(raw, stdin, stdin_size or 0, read), daemon=True)
-        feeder.start()
-    try:
-        pump.done.wait(deadline + DEADLINE_GRACE)
-    except BaseException:
-        _stop(api, container, raw, reader)
-        raise
-    swept = sweep_failed = False
-    if reader.is_alive() or pump.callback_failed:
-        swept = True
-        sweep_failed = not sweep(api, container)
-    abandoned = _stop(None, container, raw, reader)
-    if feeder is not None:
-        feeder.join(STREAM_CLOSE_WAIT)
-    error = pump.failure if not abandoned else None
-    code, started = _exit_status(api, exec_id)
-    return ExecEnd(code, swept, sweep_failed, error, read[0], started)
-
-
-class _Pump:
-    """Reads an exec's frames into ``on_output`` until the stream ends, or until ``on_output`` raises."""
-
-    def __init__(self, sock: Any, on_output: Callable[[int, bytes], None]) -> None:
-        self.sock, self.on_output = sock, on_output
-        self.done = threading.Event()
-        self.failure: BaseException | None = None
-        self.callback_failed = False
-
-    def run(self) -> None:
-        from docker.utils.socket import frames_iter
-
-        try:
-            for stream, data in frames_iter(self.sock, tty=False):
-                try:
-                    self.on_output(stream, data)
-                except BaseException:  # the caller's to raise (OutputSink keeps it); the command stops
-                    self.callback_failed = True
-                    return
-        except Exception as exc:  # reported to the caller; a closed socket ends here too
-            self.failure = exc
-        finally:
-            self.done.set()
-
-
-def _stop(api: Any, container: str, raw: Any, reader: threading.Thread) -> bool:
-    """
-    End an exec's stream: sweep the container first when ``api`` is given, then give the stream a
-    moment to end and close it. True when it had to be closed while still open.
-    """
-    if api is not None:
-        try:
-            sweep(api, container)
-        except Exception:  # the exception being raised is the one to report
-            pass
-    reader.join(STREAM_CLOSE_WAIT if reader.is_alive() else 0)
-    still_open = reader.is_alive()
-    _close(raw)
-    reader.join(STREAM_CLOSE_WAIT)
-    return still_open
-
-
-def _feed(raw: Any, source: IO[bytes], size: int, read: list[int]) -> None:
-    sent = 0
-    try:
-        while sent < size:
-            want = min(STDIN_CHUNK_BYTES, size - sent)
-            piece = source.read(want) if read[0] == sent else b""
-            read[0] += len(piece)
-            piece = piece or bytes(want)  # a source that shrank: pad, and the caller refuses the write
-            raw.sendall(piece)
-            sent += len(piece)
-    except OSError:  # the program ended early (its error is in its output) or the stream was closed
-        pass
-
-
-def _close(raw: Any) -> None:
-    for step in (lambda: raw.shutdown(socket.SHUT_RDWR), raw.close):
-        try:
-            step()
-        except OSError:
-            pass
-
-
-def _exit_status(api: Any, exec_id: str) -> tuple[int | None, bool]:
-    """The exec's exit status (None while it runs) and whether it started at all (it had a process)."""
-    # The stream can end a moment before the Engine records the exit status.
-    info: Mapping[str, Any] = {}
-    for _ in range(50):
-        info = api.exec_inspect(exec_id)
-        if not info.get("Running") and info.get("ExitCode") is not None:
-            return int(info["ExitCode"]), bool(info.get("Pid"))
-        time.sleep(0.02)
-    return None, bool(info.get("Pid", 1))
-
-
 # -- the client --------------------------------------------------------------------------------------
 
 
@@ -524,22 +397,32 @@ def make_client(host: str | None, settings: Mapping[str, Any], *, conn_id: str) 
     import docker
 
     tls: Any = False
-    cert, key, ca = settings["tls_client_cert"], settings["tls_client_key"], settings["tls_ca_cert"]
-    if cert or key or ca or settings["tls_verify"]:
-        if bool(cert) != bool(key):
+    cert, key_file, ca = settings["tls_client_cert"], settings["tls_client_key"], settings["tls_ca_cert"]
+    if cert or key_file or ca or settings["tls_verify"]:
+        if bool(cert) != bool(key_file):
             raise SandboxTerminalError(
                 f"Connection {conn_id!r} names only one of tls_client_cert and tls_client_key; a client "
                 "certificate needs both."
             )
         verify = settings["tls_verify"]
         tls = docker.tls.TLSConfig(
-            client_cert=(cert, key) if cert else None,
+            client_cert=(cert, key_file) if cert else None,
             ca_cert=ca,
             verify=bool(ca) if verify is None else (ca if (verify and ca) else bool(verify)),
         )
+    # The API version is negotiated once per Engine and process (one request), not once per hook.
+    key = (host or os.environ.get("DOCKER_HOST"), repr((cert, key_file, ca, settings["tls_verify"])))
+    version = _API_VERSIONS.get(key, "auto")
     if host:
-        return docker.DockerClient(base_url=host, version="auto", tls=tls, timeout=API_TIMEOUT)
-    return docker.DockerClient.from_env(version="auto", timeout=API_TIMEOUT)
+        client = docker.DockerClient(base_url=host, version=version, tls=tls, timeout=API_TIMEOUT)
+    else:
+        client = docker.DockerClient.from_env(version=version, timeout=API_TIMEOUT)
+    _API_VERSIONS[key] = client.api.api_version
+    return client
+
+
+#: The API version each Engine (by URL and TLS settings) negotiated, for the next client of this process.
+_API_VERSIONS: dict[tuple[str | None, str], str] = {}
 
 
 # -- the stamp file, in the keeper's directory --------------------------------------------------------

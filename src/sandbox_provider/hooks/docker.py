@@ -17,8 +17,13 @@ Sandboxes as containers on a Docker Engine, driven through the ``docker`` SDK.
   CAP_KILL) kills everything but itself, and the hook waits for its witness. A sandbox whose keeper
   does not answer is destroyed. Commands and file operations run one at a time per sandbox.
 - **Files** go through exec as the command user with the shared guest programs: permissions and
-  symbolic links apply as a command meets them, and a read takes its bytes from one open file.
+  symbolic links apply as a command meets them, and a read takes its bytes from one open file. A
+  batch (a whole mapping, a directory) is one tar through one exec per direction, and files staged
+  with the first command travel in that command's own exec (see ``_docker_commands`` and
+  ``_docker_batch``, which says why the Engine's archive API, run as root, is not used for them).
   Only the provider's stamp file goes over the archive API, into the keeper's private directory.
+- **Requests**: a create is the sweep, create and start (the first program waits inside for the
+  keeper); an exec is two (its status comes in the stream's last bytes, see ``_docker_exec``).
 - **Limits**: CPU, memory (no swap beyond it), processes, disk (``disk_bytes``) where the storage
   driver supports it; network mode ``none`` unless the spec opens it; only ``spec.env`` is passed.
 """
@@ -29,15 +34,19 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import IO, TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from sandbox_provider.hooks import _docker_driver as driver
+from sandbox_provider.hooks._docker_commands import DockerExec
 from sandbox_provider.hooks.forms.docker import FORM
-from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.attach import Attachable
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 from sandbox_provider.sandbox.files import ShellFiles, StreamFiles
-from sandbox_provider.sandbox.hook import Capabilities, OutputSink, ProvisionRequest, RunOutcome, SandboxHook
+from sandbox_provider.sandbox.hook import (
+    Capabilities,
+    ProvisionRequest,
+    SandboxHook,
+)
 from sandbox_provider.sandbox.network import NetworkReach
 from sandbox_provider.sandbox.spec import (
     EXPIRES_AT_TAG,
@@ -45,8 +54,6 @@ from sandbox_provider.sandbox.spec import (
     OWNER_TAG,
     TRACE_TAGS,
     WORKDIR_TAG,
-    SandboxExecResult,
-    check_path,
     is_named_sandbox,
 )
 
@@ -73,14 +80,7 @@ _DEFAULT_ENGINE = "the Docker Engine that DOCKER_HOST or the local socket names"
 DockerSandboxInfo = driver.DockerSandboxInfo
 
 
-def _engine_errors() -> tuple[type[BaseException], ...]:
-    import docker.errors
-    import requests
-
-    return (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
-
-
-class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
+class DockerSandboxHook(DockerExec, StreamFiles, ShellFiles, Attachable, SandboxHook):
     """
     Provision sandboxes as containers on a Docker Engine.
 
@@ -246,6 +246,7 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
         self._known_expiry.pop(handle, None)
         self._labels_seen.pop(handle, None)
         driver.mark_swept(handle, False)
+        driver.mark_fresh(handle, False)
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
@@ -260,9 +261,9 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
         container_id = self._create_container(kwargs, settings.get("disk_bytes"))
         # Created and started as one step: whatever stops it in between (an error, the task being
         # killed) removes the container, and a worker killed outright leaves it to the next sweep.
+        # The keeper gets ready while the first program starts, which waits for it (see wait_argv).
         try:
             api.start(container_id)
-            ready = driver.wait_for_keeper(api, container_id)
         except BaseException as err:
             self._remove_quietly(container_id)
             if not isinstance(err, Exception):
@@ -271,15 +272,9 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
                 f"Sandbox container {handle} did not start on {self._where} (connection "
                 f"{self.sandbox_conn_id!r}): {getattr(err, 'explanation', None) or err}"
             ) from err
-        if not ready:
-            logs = self._keeper_log(container_id)
-            self._remove_quietly(container_id)
-            raise SandboxTerminalError(
-                f"Sandbox container {handle} started on {self._where} but its keeper did not come up{logs}. The image "
-                f"{settings['image']!r} needs sh, sleep, cp, chmod, chown, mkdir and coreutils timeout; name another image in "
-                "the connection's image extra."
-            )
+        driver.mark_fresh(handle, True)
         driver.mark_swept(handle, True)
+        self._labels_seen[handle] = dict(kwargs["labels"])  # what the Engine would answer: no inspect needed
         user = kwargs["labels"][driver.USER_LABEL]
         log.info(
             "Started Docker sandbox %s from %s on %s, lifetime %ss, commands as %s",
@@ -391,155 +386,6 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
             expires = self._known_expiry[handle] = driver.expiry_of(self._labels(handle))
         return expires - time.time()
 
-    def _exec(
-        self,
-        handle: str,
-        argv: list[str],
-        *,
-        timeout: float,
-        output: OutputSink,
-        stdin: IO[bytes] | None = None,
-        stdin_size: int = 0,
-    ) -> tuple[RunOutcome, int]:
-        """
-        Run ``argv`` in the sandbox as its command user, one at a time per sandbox, and sweep after.
-
-        Returns the outcome and the bytes read from ``stdin``. A sandbox that cannot be swept is
-        destroyed, and the outcome says it ended.
-        """
-        labels = self._labels(handle)
-        api = self._client().api
-
-        first = bytearray()
-
-        def to_sink(stream: int, data: bytes) -> None:
-            if len(first) < 1024:
-                first.extend(data[: 1024 - len(first)])
-            (output.stderr if stream == 2 else output.stdout)(data)
-
-        with driver.sandbox_lock(handle):
-            self._sweep_first(handle)
-            driver.mark_swept(handle, False)
-            began = time.monotonic()
-            try:
-                end = driver.run_exec(
-                    api,
-                    handle,
-                    argv,
-                    user=labels[driver.USER_LABEL],
-                    workdir=labels.get(WORKDIR_TAG) or self.workdir,
-                    deadline=timeout,
-                    on_output=to_sink,
-                    stdin=stdin,
-                    stdin_size=stdin_size,
-                )
-            except _engine_errors() as err:  # a task timeout or Ctrl-C raised meanwhile goes on as it is
-                raise self._engine_error(err, "starting a command", handle) from err
-            elapsed = time.monotonic() - began
-            # A runner that ended by itself killed everything else of the command user, and nothing
-            # could stop that but killing or stopping it (a status over 127, or the deadline).
-            clean = not end.swept and end.error is None and end.exit_code is not None and end.exit_code < 128
-            if clean:
-                driver.mark_swept(handle, True)
-                terminated = False
-            else:
-                terminated = not self._swept_after(handle, already=end.swept and not end.sweep_failed)
-        if not end.started:  # the runtime could not start the program: nothing ran
-            text = first.decode(errors="replace").strip()
-            raise SandboxTerminalError(f"The Docker Engine could not start a process in sandbox {handle}: {text}")
-        if end.error is not None and not terminated:
-            raise self._engine_error(end.error, "reading a command's output", handle) from end.error
-        code = end.exit_code
-        if terminated or code is None:
-            return RunOutcome(exit_code=-1, timed_out=end.swept, sandbox_terminated=True), end.stdin_read
-        timed_out = end.swept or (code in (124, 137) and elapsed >= timeout)
-        return RunOutcome(exit_code=code, timed_out=timed_out), end.stdin_read
-
-    def _sweep_first(self, handle: str) -> None:
-        """Before the first operation of this process on a sandbox: end what an earlier holder left running."""
-        if not driver.known_swept(handle) and not self._swept_after(handle, already=False):
-            raise SandboxTerminalError(
-                f"Sandbox {handle} was destroyed: its keeper did not answer, so processes left running in it by an "
-                "earlier command could not be ended. Provision a new sandbox."
-            )
-
-    def _swept_after(self, handle: str, *, already: bool) -> bool:
-        """
-        True once the keeper has swept the sandbox (or ``already`` did); False when the sandbox has
-        ended, or did not answer and was destroyed.
-        """
-        import docker.errors
-
-        api = self._client().api
-        try:
-            done = already or driver.sweep(api, handle)
-        except docker.errors.APIError as err:
-            if err.status_code in (404, 409):
-                self._forget(handle)
-                return False
-            raise self._engine_error(err, "sweeping the sandbox after a command", handle) from err
-        except Exception as err:
-            raise self._engine_error(err, "sweeping the sandbox after a command", handle) from err
-        if not done:
-            if not driver.is_running(api, handle):
-                self._forget(handle)
-                return False
-            log.warning(
-                "Destroying Docker sandbox %s: its keeper did not confirm within %ss that no process of the last "
-                "command is left (something in the sandbox stopped it)",
-                handle,
-                driver.SWEEP_TIMEOUT,
-            )
-            self._destroy(handle)
-            return False
-        driver.mark_swept(handle, True)
-        return True
-
-    def _run(self, handle: str, command: str, *, timeout: float, output: OutputSink) -> RunOutcome:
-        if not driver.is_utf8(command):
-            raise SandboxError(
-                "command must be valid UTF-8 text; it holds characters that cannot be encoded (undecodable "
-                "bytes carried as surrogates)."
-            )
-        argv = driver.runner_argv(command, timeout)
-        outcome, _ = self._exec(handle, argv, timeout=float(driver.deadline_arg(timeout)), output=output)
-        return outcome
-
-    def _stream_script(
-        self,
-        handle: str,
-        program: str,
-        *args: object,
-        timeout: float,
-        on_stdout: Any = None,
-        stdin: IO[bytes] | None = None,
-        stdin_size: int = 0,
-    ) -> tuple[SandboxExecResult, int]:
-        # File operations: the shared guest programs, run as the command user like any command.
-        handle = self.check_handle(handle)
-        budget = self._deadline(handle, timeout)
-        sink = OutputSink(64 * 1024, (lambda s, d: on_stdout(d) if s == "stdout" else None) if on_stdout else None)
-        argv = ["sh", "-c", guest.program(program), program, *map(str, args)]
-        outcome, read = self._exec(handle, argv, timeout=budget, output=sink, stdin=stdin, stdin_size=stdin_size)
-        return sink.result(outcome, budget), read
-
-    def _check_path(self, path: str) -> str:
-        check_path(path)
-        if not driver.is_utf8(path):
-            raise SandboxError(
-                f"{path!r} is not valid UTF-8 (it carries undecodable bytes as surrogates); paths in a Docker "
-                "sandbox must be valid UTF-8 text."
-            )
-        return path
-
-    def list_directory(self, handle: str, path: str = ".") -> list[tuple[str, bool]]:
-        """
-        List the entries of the directory at ``path`` as ``(name, is_directory)`` pairs, sorted by name.
-
-        :raises SandboxError: if ``path`` is unusable, missing or not a directory.
-        """
-        return super().list_directory(handle, self._check_path(path))
-
     # -- stamps ----------------------------------------------------------------------------------------
 
     def read_tags(self, handle: str) -> Mapping[str, str]:
@@ -558,8 +404,17 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
                 tags[key] = value
         return tags
 
+    def _await_keeper(self, handle: str) -> None:
+        """Before the archive API touches the keeper's directory of a new sandbox: wait until the keeper made it."""
+        if driver.is_fresh(handle):
+            if not driver.wait_for_keeper(self._client().api, handle):
+                driver.mark_fresh(handle, False)
+                self._keeper_failed(handle)
+            driver.mark_fresh(handle, False)
+
     def _read_stamp_file(self, handle: str) -> dict[str, str]:
         """The changeable stamps from the file inside the sandbox; empty when there is none yet."""
+        self._await_keeper(handle)
         try:
             return driver.read_stamp_file(self._client().api, handle, TAGS_FILE, TAGS_MAX_BYTES)
         except driver.StampFileDamaged as err:
@@ -593,6 +448,7 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
                     f"({labels.get(key)!r}); only the holder and other stamps can change afterwards."
                 )
         changeable = {k: v for k, v in tags.items() if k not in _LABEL_STAMPS}
+        self._await_keeper(handle)
         try:
             driver.write_stamp_file(self._client().api, handle, TAGS_FILE, changeable)
         except Exception as err:

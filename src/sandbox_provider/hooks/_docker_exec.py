@@ -1,0 +1,268 @@
+"""
+Exec streams of the Docker backend: one program run in a sandbox through the Engine's exec API,
+its output demultiplexed as it arrives, its standard input fed from a stream, its exit status read
+from the stream's last bytes.
+
+**The output** arrives as the Engine's multiplexed frames (an 8-byte header, then up to 32 KiB).
+The pump reads each payload straight from the socket into one new ``bytes`` (one copy per byte on
+the worker) and hands it on, so an export runs at the speed the Engine delivers.
+
+**The exit status** comes as a trailer that the guest program writes on its standard error as its
+very last bytes: ``\\x1esandbox-status:<token>:<status>\\n``, where the token is a random value
+given to that one exec in its environment. The runner of a command reads the token and removes it
+from the environment before the command starts, and the command cannot read it from the runner (the
+runner's shell is unreadable to the command user, so the kernel keeps its memory and environment
+from that user), so a command cannot forge the end of its runner. The trailer is taken off the
+output. With a trailer there is no ``exec_inspect`` request; without one (the program was killed,
+or the status is not to be trusted, as with root commands that can read the runner), the Engine is
+asked.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import IO, Any
+
+#: Seconds past a command's deadline before the hook sweeps it itself.
+DEADLINE_GRACE = 1.0
+#: Seconds an exec stream may stay open after a sweep (the Engine flushes and closes it).
+STREAM_CLOSE_WAIT = 5.0
+#: Bytes per piece on an exec's standard input.
+STDIN_CHUNK_BYTES = 1024 * 1024
+#: Most bytes of one frame read at once (the Engine's frames are smaller).
+READ_CHUNK_BYTES = 1024 * 1024
+#: The environment variable that carries an exec's status token to its guest program.
+STATUS_ENV = "AIRFLOW_SANDBOX_STATUS"
+#: How a status trailer begins (the token, a colon, the status and a newline follow).
+STATUS_MARK = b"\x1esandbox-status:"
+
+
+@dataclass(frozen=True)
+class ExecEnd:
+    """
+    How an exec ended.
+
+    :param exit_code: its status, or None when it was still running when the hook stopped waiting.
+    :param swept: the deadline passed and the hook swept the container to end it.
+    :param sweep_failed: that sweep did not happen (the keeper did not answer).
+    :param error: what broke the stream before the command ended, if anything did.
+    :param stdin_read: bytes read from the standard input source (the rest sent was padding).
+    :param started: the Engine started the program (False: the runtime could not, and said why in
+        the output).
+    :param reported: the exit status came from the program's own trailer (no request was needed).
+    """
+
+    exit_code: int | None
+    swept: bool
+    sweep_failed: bool
+    error: BaseException | None
+    stdin_read: int = 0
+    started: bool = True
+    reported: bool = False
+
+
+class _Trailer:
+    """Holds back what may be the status trailer at the end of standard error, and reads it."""
+
+    def __init__(self, token: str) -> None:
+        self.mark = STATUS_MARK + token.encode() + b":"
+        self.held = b""
+        self.status: int | None = None
+
+    def feed(self, data: bytes) -> bytes:
+        """What of ``data`` to pass on now; a possible trailer start is kept back."""
+        if self.held:
+            data, self.held = self.held + data, b""
+        at = data.rfind(b"\x1e")
+        if at >= 0 and self._may_be_trailer(data[at:]):
+            data, self.held = data[:at], data[at:]
+        return data
+
+    def _may_be_trailer(self, tail: bytes) -> bool:
+        if len(tail) <= len(self.mark):
+            return self.mark.startswith(tail)
+        return tail.startswith(self.mark) and re.fullmatch(rb"\d{0,3}\n?", tail[len(self.mark) :]) is not None
+
+    def finish(self) -> bytes:
+        """At the end of the stream: read a whole trailer, or give back what was held."""
+        found = re.fullmatch(re.escape(self.mark) + rb"(\d{1,3})\n", self.held)
+        if found:
+            self.status, self.held = int(found[1]), b""
+            return b""
+        held, self.held = self.held, b""
+        return held
+
+
+def run_exec(
+    api: Any,
+    container: str,
+    argv: list[str],
+    *,
+    user: str,
+    workdir: str,
+    deadline: float,
+    on_output: Callable[[int, bytes], None],
+    sweep: Callable[[], bool],
+    stdin: IO[bytes] | None = None,
+    stdin_size: int | None = None,
+    trust_status: bool = True,
+    environment: Mapping[str, str] | None = None,
+) -> ExecEnd:
+    """
+    Run ``argv`` in ``container`` as ``user`` and stream its output to ``on_output(1 | 2, bytes)``.
+
+    ``stdin`` (with ``stdin_size`` bytes, padded with NULs if it ends early) feeds standard input;
+    the program must read exactly that many bytes, since the stream is not closed after them (a
+    TLS connection cannot be half-closed). When the output has not ended ``deadline`` seconds after
+    the start plus a short grace, or when ``on_output`` raises, ``sweep()`` is called, which ends
+    every process but the keeper, and the stream with them. An exception raised in the calling
+    thread while it waits (a task timeout, Ctrl-C) sweeps the same way, then propagates.
+
+    The program gets a status token in ``AIRFLOW_SANDBOX_STATUS``; the status trailer it writes
+    last with it is taken off standard error and, with ``trust_status``, used as the exit status.
+
+    :raises docker.errors.APIError: when the exec cannot be created or started.
+    """
+    token = secrets.token_hex(16)
+    exec_id, raw = _start(
+        api, container, argv, user, workdir, stdin is not None, {**(environment or {}), STATUS_ENV: token}
+    )
+    pump = _Pump(raw, on_output, _Trailer(token))
+    reader = threading.Thread(target=pump.run, daemon=True, name=f"exec-{container}")
+    reader.start()
+    read = [0]
+    feeder = None
+    if stdin is not None:
+        feeder = threading.Thread(target=_feed, args=(raw, stdin, stdin_size or 0, read), daemon=True)
+        feeder.start()
+    try:
+        pump.done.wait(deadline + DEADLINE_GRACE)
+    except BaseException:
+        _stop(sweep, raw, reader)
+        raise
+    swept = sweep_failed = False
+    if reader.is_alive() or pump.callback_failed:
+        swept = True
+        sweep_failed = not sweep()
+    abandoned = _stop(None, raw, reader)
+    if feeder is not None:
+        feeder.join(STREAM_CLOSE_WAIT)
+    error = pump.failure if not abandoned else None
+    status = pump.trailer.status
+    if trust_status and status is not None and not swept:
+        return ExecEnd(status, False, False, error, read[0], True, True)
+    code, started = _exit_status(api, exec_id)
+    return ExecEnd(code, swept, sweep_failed, error, read[0], started)
+
+
+def _start(
+    api: Any, container: str, argv: list[str], user: str, workdir: str, stdin: bool, env: Mapping[str, str]
+) -> tuple[str, Any]:
+    """Create and start the exec; return its id and the raw socket of its stream."""
+    exec_id = api.exec_create(
+        container, argv, stdin=stdin, stdout=True, stderr=True, tty=False, user=user, workdir=workdir, environment=env
+    )["Id"]
+    sock = api.exec_start(exec_id, socket=True)
+    raw = getattr(sock, "_sock", sock)
+    raw.settimeout(None)  # a silent command is not a broken connection
+    return exec_id, raw
+
+
+class _Pump:
+    """Reads an exec's frames into ``on_output`` until the stream ends, or until ``on_output`` raises."""
+
+    def __init__(self, raw: Any, on_output: Callable[[int, bytes], None], trailer: _Trailer) -> None:
+        self.raw, self.on_output, self.trailer = raw, on_output, trailer
+        self.done = threading.Event()
+        self.failure: BaseException | None = None
+        self.callback_failed = False
+
+    def run(self) -> None:
+        from docker.utils.socket import next_frame_header
+
+        try:
+            while True:
+                stream, left = next_frame_header(self.raw)
+                if left < 0:
+                    break
+                while left > 0:
+                    data = self.raw.recv(min(left, READ_CHUNK_BYTES))
+                    if not data:
+                        return
+                    left -= len(data)
+                    if not self._deliver(stream, data):
+                        return
+            self._deliver(2, self.trailer.finish(), final=True)
+        except Exception as exc:  # reported to the caller; a closed socket ends here too
+            self.failure = exc
+        finally:
+            self.done.set()
+
+    def _deliver(self, stream: int, data: bytes, *, final: bool = False) -> bool:
+        if stream == 2 and not final:
+            data = self.trailer.feed(data)
+        if not data:
+            return True
+        try:
+            self.on_output(stream, data)
+        except BaseException:  # the caller's to raise (OutputSink keeps it); the command stops
+            self.callback_failed = True
+            return False
+        return True
+
+
+def _stop(sweep: Callable[[], bool] | None, raw: Any, reader: threading.Thread) -> bool:
+    """
+    End an exec's stream: sweep the container first when ``sweep`` is given, then give the stream
+    a moment to end and close it. True when it had to be closed while still open.
+    """
+    if sweep is not None:
+        try:
+            sweep()
+        except Exception:  # the exception being raised is the one to report
+            pass
+    reader.join(STREAM_CLOSE_WAIT if reader.is_alive() else 0)
+    still_open = reader.is_alive()
+    _close(raw)
+    reader.join(STREAM_CLOSE_WAIT)
+    return still_open
+
+
+def _feed(raw: Any, source: IO[bytes], size: int, read: list[int]) -> None:
+    sent = 0
+    try:
+        while sent < size:
+            want = min(STDIN_CHUNK_BYTES, size - sent)
+            piece = source.read(want) if read[0] == sent else b""
+            read[0] += len(piece)
+            piece = piece or bytes(want)  # a source that shrank: pad, and the caller refuses the write
+            raw.sendall(piece)
+            sent += len(piece)
+    except OSError:  # the program ended early (its error is in its output) or the stream was closed
+        pass
+
+
+def _close(raw: Any) -> None:
+    for step in (lambda: raw.shutdown(socket.SHUT_RDWR), raw.close):
+        try:
+            step()
+        except OSError:
+            pass
+
+
+def _exit_status(api: Any, exec_id: str) -> tuple[int | None, bool]:
+    """The exec's exit status (None while it runs) and whether it started at all (it had a process)."""
+    # The stream can end a moment before the Engine records the exit status.
+    info: Mapping[str, Any] = {}
+    for _ in range(50):
+        info = api.exec_inspect(exec_id)
+        if not info.get("Running") and info.get("ExitCode") is not None:
+            return int(info["ExitCode"]), bool(info.get("Pid"))
+        time.sleep(0.02)
+    return None, bool(info.get("Pid", 1))
