@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import io
 import os
 import stat
 import tarfile
@@ -137,7 +138,7 @@ class ExportReader:
 
     def __init__(self, requests: Sequence[ExportRequest], sink: ExportSink, limits: ExportLimits) -> None:
         read_end, self.write_end = pipe()
-        self._stream = os.fdopen(read_end, "rb", buffering=CHUNK)
+        self._stream = io.BufferedReader(io.FileIO(read_end, "rb"), buffer_size=CHUNK)
         self.total = 0
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._read, args=(requests, sink, limits), daemon=True)

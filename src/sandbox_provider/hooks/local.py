@@ -376,8 +376,14 @@ class LocalSandboxHook(LocalFiles, ShellFiles, Attachable, SandboxHook):
         Once per worker process and kind of sandbox: prove bubblewrap can build this sandbox here, so
         a worker without user namespaces fails at create with bwrap's reason, not at the first command.
         """
-        key = (self._bwrap(), self._resolved()["image"], os.geteuid(), self.workdir, request.spec.block_network)
-        key += (repr(sorted(limits.items())),)
+        key = (
+            self._bwrap(),
+            self._resolved()["image"],
+            os.geteuid(),
+            self.workdir,
+            request.spec.block_network,
+            repr(sorted(limits.items())),
+        )
         if key in _PROBED:
             return
         try:

@@ -192,9 +192,9 @@ def read_export_archive(
             index, name = _member_place(member.name, requests)
             if member.isdir() and name is not None:
                 continue
-            request = requests[index] if index is not None else None
-            if request is None or name is None:
+            if index is None or name is None:
                 raise SandboxError(f"The sandbox sent an archive member named {member.name!r}, outside the export.")
+            request = requests[index]
             if not member.isreg():
                 raise SandboxError(
                     f"{_joined(request, name)!r} is not a regular file in the sandbox ({_kind(member)}); "
