@@ -20,7 +20,9 @@ removed crash-safely (``_local_state``). The README's local backend section give
 kind of worker.
 
 ``block_network=False`` shares the worker's network namespace: the sandbox reaches whatever the
-worker reaches, its loopback services and abstract Unix sockets included.
+worker reaches, its loopback services and abstract Unix sockets included. ``allow_egress_to`` and
+``allow_egress_to_cidrs`` keep the empty namespace and add a gateway outside the sandbox
+(:mod:`sandbox_provider.sandbox.egress`), its socket bound in and presented on ``127.0.0.1:3128``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 from sandbox_provider.hooks import _local_cgroups as cgroups_mod
@@ -42,7 +44,7 @@ from sandbox_provider.hooks import _local_driver as driver
 from sandbox_provider.hooks import _local_state as state
 from sandbox_provider.hooks._local_ids import IdLeases, parse_uid_range
 from sandbox_provider.hooks.forms.local import FORM
-from sandbox_provider.sandbox import guest
+from sandbox_provider.sandbox import egress, guest
 from sandbox_provider.sandbox.attach import Attachable, expiry_of
 from sandbox_provider.sandbox.errors import SandboxFileTooLargeError, SandboxTerminalError
 from sandbox_provider.sandbox.files import ShellFiles, check_export_size, checked_size, file_failure, reported_size
@@ -54,11 +56,12 @@ from sandbox_provider.sandbox.hook import (
     RunOutcome,
     SandboxHook,
 )
-from sandbox_provider.sandbox.network import NetworkReach
+from sandbox_provider.sandbox.network import NetworkReach, describe_reach
 from sandbox_provider.sandbox.spec import (
     DEFAULT_WORKDIR,
     NETWORK_TAG,
     SandboxExecResult,
+    SandboxSpec,
     check_byte_count,
     check_path,
     check_workdir,
@@ -110,14 +113,19 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
     :param cgroup_parent: where sandbox cgroups go: relative paths under the worker's own cgroup
         (default ``airflow-sandbox``), absolute ones from the hierarchy's root.
     :param bwrap_path: the bubblewrap program, by name or path.
+    :param egress_ports: the ports hosts of ``allow_egress_to`` are reached on (default ``[443]``);
+        ranges of ``allow_egress_to_cidrs`` are reached on any port.
+    :param egress_pins: hostname -> address (or list of them) that the egress gateway uses instead
+        of resolving the name, trusted even in private or loopback ranges (an internal mirror, a
+        test server); the name must still be listed in ``allow_egress_to``.
     :raises ValueError: for a bad argument (a non-positive limit, a relative workdir, a bad range).
     """
 
     name = "local"
     display_name = "local"
     capabilities = Capabilities(
-        egress_hosts=False,
-        egress_cidrs=False,
+        egress_hosts=True,
+        egress_cidrs=True,
         # Each entry is three bubblewrap arguments (--setenv NAME VALUE, even through --args), and bwrap takes
         # at most 9000 in all.
         max_env_entries=2500,
@@ -129,9 +137,9 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
             ),
         ),
         advice=(
-            "A sandbox here has either no network or the worker's. Stage what the job needs with inputs or files and "
-            "keep block_network=True, pass SandboxSpec(block_network=False) to accept open egress, or use a backend "
-            "that enforces allowlists, such as Modal for address ranges."
+            "A sandbox here has no network, the worker's, or allowlisted hosts and ranges through the egress gateway. "
+            "Stage what the job needs with inputs or files and keep block_network=True, list the hosts it needs in "
+            "allow_egress_to, or pass SandboxSpec(block_network=False) to accept open egress."
         ),
     )
     form = FORM
@@ -158,6 +166,8 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
         uid_lease_dir: str | os.PathLike[str] | None = None,
         cgroup_parent: str | None = None,
         bwrap_path: str = "bwrap",
+        egress_ports: Sequence[int] = egress.DEFAULT_PORTS,
+        egress_pins: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -185,6 +195,8 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
             cgroups_mod.check_parent(cgroup_parent)
         self.workdir = _check_workdir(workdir)
         self.bwrap_path = bwrap_path
+        self.egress_ports = egress.check_ports(egress_ports)
+        self.egress_pins = egress.host_pins(egress_pins)
         self._settings: dict[str, Any] | None = None
         self._probed = False
         self._leases_swept = 0.0
@@ -345,6 +357,38 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
         expires = expiry_of(self.read_tags(handle))
         return None if expires is None else expires - time.time()
 
+    # -- egress gateway (sandbox/egress) ---------------------------------------------------------------
+
+    def _refusal(self, spec: SandboxSpec) -> str | None:
+        return egress.refusal(self.display_name, spec, ports=self.egress_ports, pins=self.egress_pins)
+
+    def describe_network(self, spec: SandboxSpec) -> str | None:
+        if not spec.has_allowlist:
+            return None
+        return describe_reach(egress.reach(self.capabilities.network, self.egress_ports), spec)
+
+    def _start_gateway(self, handle: str, request: ProvisionRequest) -> None:
+        """Start the gateway of a new sandbox whose spec has allowlists; destroy the sandbox if it fails."""
+        image = self._resolved()["image"]
+        path = os.path.join(self._root(), handle)
+        try:
+            if image and not os.path.exists(os.path.join(image, "usr/bin/socat")):
+                raise SandboxTerminalError(
+                    f"An egress allowlist needs socat inside the sandbox, and the image {image!r} has no "
+                    "/usr/bin/socat: install socat into it, or drop the allow lists."
+                )
+            egress.start_gateway(
+                egress.local_gateway_dir(path),
+                egress.policy_for(handle, request.spec, ports=self.egress_ports, pins=self.egress_pins),
+                expires_at=request.expires_at,
+                watch={"dir": path},
+                socket_owner=self.uid_of(handle) if self._drops_root else None,
+                dir_mode=0o711,
+            )
+        except BaseException:
+            self._destroy(handle)
+            raise
+
     # -- lifecycle -------------------------------------------------------------------------------------
 
     def _root(self, *, create: bool = False) -> str:
@@ -372,6 +416,8 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
                 self._fill(staging, handle, request, limits)
         except OSError as err:
             raise SandboxTerminalError(f"Could not provision a sandbox under {root}: {err}") from err
+        if request.spec.has_allowlist:
+            self._start_gateway(handle, request)
         if not self._probed:
             # Once per hook: prove bubblewrap can build this sandbox here, so a worker without user
             # namespaces fails at create with bwrap's reason rather than at the first command.
@@ -434,6 +480,7 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
             cgroups = self._cgroups()
             if cgroups is not None:
                 cgroups.remove(handle)
+            egress.stop_gateway(egress.local_gateway_dir(path), match=os.path.join(root, handle) + "/")
             driver.kill_marked(path, match=os.path.join(root, handle) + "/")
             state.remove_sandbox_dir(path)
             leases = self._leases()
@@ -521,11 +568,16 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
         tags, limits = record["stamps"], record["limits"]
         cgroups, rlimits = self._confinement(handle, limits, max_file_bytes)
         network = '"block_network":false' in tags.get(NETWORK_TAG, "")
+        gateway = (
+            egress.local_launch(egress.local_gateway_dir(path), argv)
+            if egress.has_allowlist(tags.get(NETWORK_TAG))
+            else None
+        )
         argv_bwrap = driver.bwrap_argv(
             self._bwrap(),
             box=state.box_path(path, limits),
             workdir=self.workdir,
-            binds=self._system_binds(network),
+            binds=self._system_binds(network) + (gateway.binds if gateway else []),
             network=network,
             shm_bytes=int(limits.get("shm_bytes") or self.settings["shm_bytes"].default),
         )
@@ -536,8 +588,8 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
             started = driver.start(
                 {name: self._tool(name) for name in driver.TOOLS},
                 argv_bwrap,
-                argv,
-                env={**driver.base_env(self.workdir), **record["env"]},
+                gateway.argv if gateway else argv,
+                env={**driver.base_env(self.workdir), **(gateway.env if gateway else {}), **record["env"]},
                 rlimits=rlimits,
                 uid=uid if self._drops_root else None,
                 placement=placement,
@@ -574,7 +626,10 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
     def _run(self, handle: str, command: str, *, timeout: float, output: OutputSink) -> RunOutcome:
         # On timeout the whole process tree dies with its PID namespace (children ignoring SIGTERM
         # too); the sandbox and its files stay.
-        return self._exec(handle, ["/bin/sh", "-c", command], timeout=timeout, output=output)
+        try:
+            return self._exec(handle, ["/bin/sh", "-c", command], timeout=timeout, output=output)
+        finally:
+            egress.relay_log(egress.local_gateway_dir(os.path.join(self._root(), handle)), log)
 
     # -- files, resolved inside the sandbox ------------------------------------------------------------
     #
