@@ -104,3 +104,22 @@ def test_missing_tools_are_refused_before_anything_is_made(make_hook, monkeypatc
     with pytest.raises(SandboxTerminalError, match=r"apt-get install util-linux"):
         hook.create(spec=SandboxSpec(allow_egress_to=[LISTED]))
     assert made == []
+
+
+def test_a_killed_workers_gateway_ends_with_the_container_and_the_next_create_removes_it(make_hook, docker_client):
+    """The worker dies without destroying; the container ends (its lifetime, or removed by hand)."""
+    import time
+
+    hook = make_hook()
+    handle = hook.create(spec=SandboxSpec(allow_egress_to=[LISTED]))
+    directory = egress.docker_gateway_dir(handle)
+    pid = egress._gateway_pid(directory)
+    assert pid is not None
+    docker_client.api.remove_container(handle, force=True)  # behind the hook's back, as its end would
+    deadline = time.monotonic() + 15
+    while egress._gateway_pid(directory) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert egress._gateway_pid(directory) is None
+    assert os.path.isdir(directory)  # what a killed worker leaves
+    create(hook, SandboxSpec())  # every create sweeps
+    assert not os.path.exists(directory)

@@ -190,10 +190,11 @@ def start_gateway(
         )
     os.makedirs(directory, mode=dir_mode, exist_ok=True)
     os.chmod(directory, dir_mode)
+    log_path = os.path.join(directory, LOG)
     config = {
         "policy": policy.to_json(),
         "socket": SOCKET,
-        "log": os.path.join(directory, LOG),
+        "log": log_path,
         "ready": os.path.join(directory, READY),
         "expires_at": expires_at,
         "watch": dict(watch),
@@ -202,9 +203,9 @@ def start_gateway(
         "forward_port": FORWARD_PORT,
     }
     config_path = os.path.join(directory, CONFIG)
-    with open(config_path, "w", encoding="utf-8") as f:
+    with open(os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as f:
         json.dump(config, f)
-    with open(config["log"], "ab") as errors:
+    with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as errors:
         proc = subprocess.Popen(
             [sys.executable, "-m", _MODULE, config_path],
             stdin=subprocess.DEVNULL,
@@ -212,7 +213,8 @@ def start_gateway(
             stderr=errors,
             start_new_session=True,
             cwd=directory,
-            env={k: v for k, v in os.environ.items() if k not in ("HTTPS_PROXY", "HTTP_PROXY")},
+            # The gateway connects directly: a proxy the worker itself is told to use is not the sandbox's.
+            env={k: v for k, v in os.environ.items() if k.upper() not in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY")},
         )
     _wait_ready(directory, proc, START_TIMEOUT)
     if socket_owner is not None:
@@ -260,6 +262,7 @@ def stop_gateway(directory: str, *, match: str | None = None, remove: bool = Fal
             time.sleep(0.02)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
+    _relayed.pop(os.path.join(directory, LOG), None)
     if remove:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -280,7 +283,12 @@ def sweep_gateways(root: str) -> list[str]:
 
 
 def _settled(directory: str, grace: float = START_TIMEOUT * 2) -> bool:
-    """Whether ``directory`` is older than a gateway takes to start (so none is starting in it now)."""
+    """
+    Whether no gateway can be starting in ``directory`` now: one started there (and has ended), or
+    it is older than a gateway takes to start.
+    """
+    if os.path.exists(os.path.join(directory, READY)):
+        return True
     try:
         return time.time() - os.stat(directory).st_mtime > grace
     except OSError:
