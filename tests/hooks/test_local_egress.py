@@ -65,6 +65,15 @@ def test_listed_hosts_and_ranges_pass_and_nothing_else(make_hook, world):
     curl = run(hook, handle, f"curl -sS {shlex.quote(world.url(LISTED))}; curl -sS {shlex.quote(world.url(UNLISTED))}")
     assert curl.stdout == "reached tls\n", curl
     assert "403" in curl.stderr
+    # Another TCP protocol to a listed range: only tunnelled through the gateway with CONNECT (socat's
+    # PROXY address here), on a port no hostname rule allows; the same bytes without the tunnel fail.
+    # The client keeps its side open until the server closes (a half-close ends the tunnel early).
+    request = "(printf 'GET / HTTP/1.0\\r\\n\\r\\n'; sleep 2)"
+    tunnel = f"PROXY:127.0.0.1:{world.plain_address}:{world.plain_port},proxyport=3128"
+    tunnelled = run(hook, handle, f"{request} | socat -t 2 - {tunnel}")
+    assert tunnelled.stdout.endswith("reached plain\n"), tunnelled
+    direct = run(hook, handle, f"{request} | socat - TCP:{world.plain_address}:{world.plain_port}")
+    assert direct.exit_code != 0 and "reached" not in direct.stdout
     # Every attempt is in the gateway's log, with the handle.
     with open(os.path.join(gateway_dir(hook, handle), egress.LOG), encoding="utf-8") as f:
         logged = f.read()
