@@ -30,7 +30,6 @@ Sandboxes as containers on a Docker Engine, driven through the ``docker`` SDK.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -40,10 +39,11 @@ from sandbox_provider.hooks import _docker_driver as driver
 from sandbox_provider.hooks.forms.docker import FORM
 from sandbox_provider.sandbox import egress, guest
 from sandbox_provider.sandbox.attach import Attachable
+from sandbox_provider.sandbox.egress.hooks import GatewayEgress
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 from sandbox_provider.sandbox.files import ShellFiles, StreamFiles
 from sandbox_provider.sandbox.hook import Capabilities, OutputSink, ProvisionRequest, RunOutcome, SandboxHook
-from sandbox_provider.sandbox.network import NetworkReach, describe_reach
+from sandbox_provider.sandbox.network import NetworkReach
 from sandbox_provider.sandbox.spec import (
     EXPIRES_AT_TAG,
     NETWORK_TAG,
@@ -51,7 +51,6 @@ from sandbox_provider.sandbox.spec import (
     TRACE_TAGS,
     WORKDIR_TAG,
     SandboxExecResult,
-    SandboxSpec,
     check_path,
     is_named_sandbox,
 )
@@ -86,7 +85,7 @@ def _engine_errors() -> tuple[type[BaseException], ...]:
     return (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
 
 
-class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
+class DockerSandboxHook(GatewayEgress, StreamFiles, ShellFiles, Attachable, SandboxHook):
     """
     Provision sandboxes as containers on a Docker Engine.
 
@@ -139,6 +138,7 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
         ),
     )
     form = FORM
+    egress_from_outside = True
     #: Seconds a container may stay created but never started before a sweep removes it.
     created_grace: float = driver.CREATED_GRACE
 
@@ -266,21 +266,6 @@ class DockerSandboxHook(StreamFiles, ShellFiles, Attachable, SandboxHook):
         driver.mark_swept(handle, False)
 
     # -- egress gateway (sandbox/egress) ---------------------------------------------------------------
-
-    def _refusal(self, spec: SandboxSpec) -> str | None:
-        reason = egress.refusal(self.display_name, spec, ports=self.egress_ports, pins=self.egress_pins, nsenter=True)
-        if reason is None and spec.has_allowlist and os.geteuid() != 0:
-            reason = (
-                "The Docker backend enforces allow_egress_to and allow_egress_to_cidrs through an egress gateway "
-                "whose forwarder enters the container's network namespace, which needs a root worker on the Engine's "
-                "host. Run the worker as root there, or drop the allow lists."
-            )
-        return reason
-
-    def describe_network(self, spec: SandboxSpec) -> str | None:
-        if not spec.has_allowlist:
-            return None
-        return describe_reach(egress.reach(self.capabilities.network, self.egress_ports), spec)
 
     def _start_gateway(self, handle: str, container_id: str, request: ProvisionRequest) -> None:
         """Start the gateway of a new sandbox whose spec has allowlists, its forwarder in the container's network."""

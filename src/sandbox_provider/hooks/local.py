@@ -46,6 +46,7 @@ from sandbox_provider.hooks._local_ids import IdLeases, parse_uid_range
 from sandbox_provider.hooks.forms.local import FORM
 from sandbox_provider.sandbox import egress, guest
 from sandbox_provider.sandbox.attach import Attachable, expiry_of
+from sandbox_provider.sandbox.egress.hooks import GatewayEgress
 from sandbox_provider.sandbox.errors import SandboxFileTooLargeError, SandboxTerminalError
 from sandbox_provider.sandbox.files import ShellFiles, check_export_size, checked_size, file_failure, reported_size
 from sandbox_provider.sandbox.hook import (
@@ -56,12 +57,11 @@ from sandbox_provider.sandbox.hook import (
     RunOutcome,
     SandboxHook,
 )
-from sandbox_provider.sandbox.network import NetworkReach, describe_reach
+from sandbox_provider.sandbox.network import NetworkReach
 from sandbox_provider.sandbox.spec import (
     DEFAULT_WORKDIR,
     NETWORK_TAG,
     SandboxExecResult,
-    SandboxSpec,
     check_byte_count,
     check_path,
     check_workdir,
@@ -77,7 +77,7 @@ _EXPORT_MIN_RATE = 1024 * 1024  # bytes per second a local export is allowed to 
 _LEASE_SWEEP_EVERY = 60.0  # seconds between lease sweeps on the create path
 
 
-class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
+class LocalSandboxHook(GatewayEgress, ShellFiles, Attachable, SandboxHook):
     """
     Sandboxes on the worker, isolated with bubblewrap. Attachable by tasks on the same host.
 
@@ -358,14 +358,6 @@ class LocalSandboxHook(ShellFiles, Attachable, SandboxHook):
         return None if expires is None else expires - time.time()
 
     # -- egress gateway (sandbox/egress) ---------------------------------------------------------------
-
-    def _refusal(self, spec: SandboxSpec) -> str | None:
-        return egress.refusal(self.display_name, spec, ports=self.egress_ports, pins=self.egress_pins)
-
-    def describe_network(self, spec: SandboxSpec) -> str | None:
-        if not spec.has_allowlist:
-            return None
-        return describe_reach(egress.reach(self.capabilities.network, self.egress_ports), spec)
 
     def _start_gateway(self, handle: str, request: ProvisionRequest) -> None:
         """Start the gateway of a new sandbox whose spec has allowlists; destroy the sandbox if it fails."""

@@ -150,7 +150,7 @@ def serve(config: Mapping[str, Any]) -> int:
         "--log-level",
         "ERROR",
         "--timeout",
-        "30",
+        "120",
     ]
     children: list[subprocess.Popen] = []
     with Proxy(args):
