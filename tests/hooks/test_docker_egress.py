@@ -41,7 +41,8 @@ def make_hook(docker_conn, world):
         return hook
 
     yield make
-    for hook, handle in handles:
+    while handles:
+        hook, handle = handles.pop()
         hook.destroy(handle)
 
 
