@@ -20,6 +20,11 @@ command -v prlimit >/dev/null 2>&1 || missing+=(util-linux)
 # keyutils: the keyring tests plant a secret with keyctl and try to read it from inside.
 command -v keyctl >/dev/null 2>&1 || missing+=(keyutils)
 ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2' || missing+=(libseccomp2)
+# socat: the egress gateway's forwarder (allow_egress_to on the local and Docker backends); curl and the
+# system Python's pip: the egress tests use them as clients inside the sandboxes.
+command -v socat >/dev/null 2>&1 || missing+=(socat)
+command -v curl >/dev/null 2>&1 || missing+=(curl)
+/usr/bin/python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
 if [ "${#missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     log "installing ${missing[*]}"

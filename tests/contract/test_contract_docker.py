@@ -12,8 +12,8 @@ pytestmark = pytest.mark.docker
 
 class TestDockerContract(SandboxContract):
     refused_specs = [
-        (SandboxSpec(allow_egress_to=["pypi.org"]), "Docker backend cannot enforce an egress allowlist of hostnames"),
-        (SandboxSpec(allow_egress_to_cidrs=["203.0.113.0/24"]), "allowlist of address ranges"),
+        (SandboxSpec(allow_egress_to=["https://pypi.org/simple"]), "is not a hostname"),
+        (SandboxSpec(allow_egress_to_cidrs=["203.0.113.7/24"]), "no host bits"),
     ]
 
     @pytest.fixture

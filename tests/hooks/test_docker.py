@@ -222,15 +222,18 @@ def test_open_network_joins_the_bridge(docker_hook, docker_client):
         docker_hook.destroy(handle)
 
 
-def test_allow_lists_are_refused_with_advice(docker_hook, monkeypatch):
+def test_allow_lists_are_refused_with_advice_without_the_gateway(docker_hook, monkeypatch):
     # Other tests (and other users of the Engine) create containers meanwhile: watch this hook only.
+    from sandbox_provider.sandbox import egress
+
     made = []
-    monkeypatch.setattr(docker_hook, "_create_container", lambda kwargs: made.append(kwargs) or "never")
+    monkeypatch.setattr(docker_hook, "_create_container", lambda kwargs, disk=None: made.append(kwargs) or "never")
+    monkeypatch.setattr(egress, "missing_tools", lambda **_: ["socat on the worker (apt-get install socat)"])
     for spec in (
         SandboxSpec(allow_egress_to=["pypi.org"]),
         SandboxSpec(allow_egress_to_cidrs=["10.0.0.0/8"]),
     ):
-        with pytest.raises(SandboxTerminalError, match="block_network=False"):
+        with pytest.raises(SandboxTerminalError, match="drop the allow lists"):
             docker_hook.create(spec=spec)
     assert made == []
 

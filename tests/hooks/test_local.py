@@ -95,8 +95,11 @@ class TestNetwork:
         "spec",
         [SandboxSpec(allow_egress_to=["pypi.org"]), SandboxSpec(allow_egress_to_cidrs=["203.0.113.0/24"])],
     )
-    def test_allowlists_refused_before_provisioning(self, hook, spec):
-        with pytest.raises(SandboxTerminalError, match="cannot enforce an egress allowlist"):
+    def test_allowlists_refused_before_provisioning_without_the_gateway(self, hook, spec, monkeypatch):
+        from sandbox_provider.sandbox import egress
+
+        monkeypatch.setattr(egress, "missing_tools", lambda **_: ["socat on the worker (apt-get install socat)"])
+        with pytest.raises(SandboxTerminalError, match="through an egress gateway on the worker, which needs socat"):
             hook.create(spec=spec)
         assert not os.path.exists(hook.state_root) or os.listdir(hook.state_root) == []
 

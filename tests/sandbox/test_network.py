@@ -49,12 +49,46 @@ def test_docker():
     )
 
 
+GATEWAY_HOSTS = (
+    "only through the proxy at http://127.0.0.1:3128 that HTTPS_PROXY and HTTP_PROXY name, which curl, pip, requests "
+    "and urllib use, on port 443; the proxy resolves the names, DNS does not answer inside the sandbox and no address "
+    "is routed, so a client that ignores the proxy variables fails, and a site served from the same address and port "
+    "as a listed host is reached too"
+)
+GATEWAY_RANGES = (
+    "any TCP port, only through the proxy at http://127.0.0.1:3128 that HTTPS_PROXY and HTTP_PROXY name, with HTTP "
+    "CONNECT, so other TCP protocols need a client that tunnels through it; no address is routed otherwise and UDP "
+    "goes nowhere"
+)
+
+
+@pytest.mark.parametrize("hook", [LocalSandboxHook(), DockerSandboxHook()], ids=["local", "docker"])
+def test_allowlists_through_the_egress_gateway(hook, monkeypatch):
+    from sandbox_provider.sandbox import egress
+
+    monkeypatch.setattr(egress, "missing_tools", lambda **_: [])
+    monkeypatch.setattr("os.geteuid", lambda: 0)  # the Docker forwarder needs a root worker
+    assert hook.network_description(HOSTS) == (
+        f"This sandbox can reach only the hosts pypi.org and files.pythonhosted.org: {GATEWAY_HOSTS}. {ONLY_THESE}"
+    )
+    assert hook.network_description(CIDRS) == (
+        f"This sandbox can reach only the address ranges 203.0.113.0/24: {GATEWAY_RANGES}. {ONLY_THESE}"
+    )
+    assert hook.network_description(BOTH) == (
+        f"This sandbox can reach only the hosts pypi.org ({GATEWAY_HOSTS}) and the address ranges 203.0.113.0/24 "
+        f"({GATEWAY_RANGES}). Only listed names are resolved, and only by the proxy. {ONLY_THESE}"
+    )
+
+
 @pytest.mark.parametrize("hook", [LocalSandboxHook(), DockerSandboxHook()], ids=["local", "docker"])
 @pytest.mark.parametrize("spec", [HOSTS, CIDRS, BOTH], ids=["hosts", "cidrs", "both"])
-def test_a_setting_the_backend_refuses_is_described_as_refused(hook, spec):
+def test_allowlists_without_the_gateway_are_described_as_refused(hook, spec, monkeypatch):
+    from sandbox_provider.sandbox import egress
+
+    monkeypatch.setattr(egress, "missing_tools", lambda **_: ["socat on the worker (apt-get install socat)"])
     text = hook.network_description(spec)
-    assert text.startswith(f"No sandbox is provisioned with this network setting: The {hook.display_name} backend ")
-    assert "cannot enforce an egress allowlist" in text
+    assert text.startswith("No sandbox is provisioned with this network setting: The ")
+    assert "through an egress gateway on the worker, which needs socat on the worker" in text
 
 
 SNI = (

@@ -211,11 +211,13 @@ def test_modal_hostname_list_description_says_port_443_only_and_open_dns(modal_f
     assert "DNS answers for every name" in text
 
 
-def test_a_setting_the_backend_cannot_enforce_fails_before_anything_runs(local, state_root, modal_fake):
+def test_a_setting_the_backend_cannot_enforce_fails_before_anything_runs(local, state_root, modal_fake, monkeypatch):
+    from sandbox_provider.sandbox import egress
+
+    # A worker without the egress gateway's tools cannot enforce a hostname allowlist.
+    monkeypatch.setattr(egress, "missing_tools", lambda **_: ["socat on the worker (apt-get install socat)"])
     script = Script([("run_command", {"command": "true"})], "done")
-    with pytest.raises(
-        SandboxTerminalError, match=r"cannot enforce an egress allowlist of hostnames.*block_network=False"
-    ):
+    with pytest.raises(SandboxTerminalError, match=r"needs socat on the worker.*drop the allow lists"):
         run(script, SandboxToolset(local, spec=SandboxSpec(allow_egress_to=["pypi.org"])))
     assert script.results == [] and standing(state_root) == []
     _mod, modal = modal_fake

@@ -26,6 +26,10 @@ Sandboxes as containers on a Docker Engine, driven through the ``docker`` SDK.
   keeper); an exec is two (its status comes in the stream's last bytes, see ``_docker_exec``).
 - **Limits**: CPU, memory (no swap beyond it), processes, disk (``disk_bytes``) where the storage
   driver supports it; network mode ``none`` unless the spec opens it; only ``spec.env`` is passed.
+- **Egress allowlists** (``allow_egress_to``, ``allow_egress_to_cidrs``): network mode ``none``
+  still, plus a gateway on the worker (:mod:`sandbox_provider.sandbox.egress`) whose forwarder
+  listens on ``127.0.0.1:3128`` in the container's network namespace, started from outside the
+  container, so nothing in it can stop or replace it.
 """
 
 from __future__ import annotations
@@ -33,20 +37,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from sandbox_provider.hooks import _docker_driver as driver
 from sandbox_provider.hooks._docker_commands import DockerExec
 from sandbox_provider.hooks.forms.docker import FORM
+from sandbox_provider.sandbox import egress
 from sandbox_provider.sandbox.attach import Attachable
+from sandbox_provider.sandbox.batch import ImportEntry
+from sandbox_provider.sandbox.egress.hooks import GatewayEgress
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 from sandbox_provider.sandbox.files import ShellFiles, StreamFiles
-from sandbox_provider.sandbox.hook import (
-    Capabilities,
-    ProvisionRequest,
-    SandboxHook,
-)
+from sandbox_provider.sandbox.hook import Capabilities, OutputSink, ProvisionRequest, RunOutcome, SandboxHook
 from sandbox_provider.sandbox.network import NetworkReach
 from sandbox_provider.sandbox.spec import (
     EXPIRES_AT_TAG,
@@ -80,7 +83,7 @@ _DEFAULT_ENGINE = "the Docker Engine that DOCKER_HOST or the local socket names"
 DockerSandboxInfo = driver.DockerSandboxInfo
 
 
-class DockerSandboxHook(DockerExec, StreamFiles, ShellFiles, Attachable, SandboxHook):
+class DockerSandboxHook(GatewayEgress, DockerExec, StreamFiles, ShellFiles, Attachable, SandboxHook):
     """
     Provision sandboxes as containers on a Docker Engine.
 
@@ -104,12 +107,19 @@ class DockerSandboxHook(DockerExec, StreamFiles, ShellFiles, Attachable, Sandbox
         (``create`` refuses elsewhere); default no limit.
     :param pull: ``"missing"`` (default) pulls an image the Engine lacks, ``"never"`` refuses,
         ``"always"`` pulls before each create.
+    :param egress_ports: the ports hosts of ``allow_egress_to`` are reached on (default ``[443]``);
+        ranges of ``allow_egress_to_cidrs`` are reached on any port.
+    :param egress_pins: hostname -> address (or list of them) that the egress gateway uses instead
+        of resolving the name, trusted even in private or loopback ranges (an internal mirror, a
+        test server); the name must still be listed in ``allow_egress_to``.
     :raises ValueError: for a setting out of bounds or an unknown pull policy.
     """
 
     name: ClassVar[str] = "docker"
     display_name: ClassVar[str] = "Docker"
     capabilities = Capabilities(
+        egress_hosts=True,
+        egress_cidrs=True,
         max_command_seconds=MAX_COMMAND_SECONDS,
         network=NetworkReach(
             blocked="has no network access at all, not even DNS: its container has only a loopback interface",
@@ -120,11 +130,13 @@ class DockerSandboxHook(DockerExec, StreamFiles, ShellFiles, Attachable, Sandbox
             ),
         ),
         advice=(
-            "Drop the allow lists to keep the network blocked, set block_network=False to give the sandbox the open "
-            "network of the connection's Docker network, or use a backend that enforces allow lists."
+            "Keep the network blocked, list the hosts the job needs in allow_egress_to (enforced by the egress "
+            "gateway on a root worker beside the Engine), or set block_network=False to give the sandbox the open "
+            "network of the connection's Docker network."
         ),
     )
     form = FORM
+    egress_from_outside = True
     #: Seconds a container may stay created but never started before a sweep removes it.
     created_grace: float = driver.CREATED_GRACE
 
@@ -142,6 +154,8 @@ class DockerSandboxHook(DockerExec, StreamFiles, ShellFiles, Attachable, Sandbox
         run_as_root: bool | None = None,
         disk_bytes: int | None = None,
         pull: str = "missing",
+        egress_ports: Sequence[int] = egress.DEFAULT_PORTS,
+        egress_pins: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -164,6 +178,8 @@ class DockerSandboxHook(DockerExec, StreamFiles, ShellFiles, Attachable, Sandbox
             }
         )
         self.pull = pull
+        self.egress_ports = egress.check_ports(egress_ports)
+        self.egress_pins = egress.host_pins(egress_pins)
         self._lock = threading.Lock()
         self._client_obj: docker.DockerClient | None = None
         self._settings_obj: dict[str, Any] | None = None
@@ -248,6 +264,35 @@ class DockerSandboxHook(DockerExec, StreamFiles, ShellFiles, Attachable, Sandbox
         driver.mark_swept(handle, False)
         driver.mark_fresh(handle, False)
 
+    # -- egress gateway (sandbox/egress) ---------------------------------------------------------------
+
+    def _start_gateway(self, handle: str, container_id: str, request: ProvisionRequest) -> None:
+        """Start the gateway of a new sandbox whose spec has allowlists, its forwarder in the container's network."""
+        pid = int((self._client().api.inspect_container(container_id).get("State") or {}).get("Pid") or 0)
+        directory = egress.docker_gateway_dir(handle)
+        forward, watch = egress.docker_forward(directory, pid)
+        egress.start_gateway(
+            directory,
+            egress.policy_for(handle, request.spec, ports=self.egress_ports, pins=self.egress_pins),
+            expires_at=request.expires_at,
+            watch=watch,
+            forward=[forward],
+        )
+
+    def _run(self, handle: str, command: str, *, timeout: float, output: OutputSink) -> RunOutcome:
+        try:
+            return super()._run(handle, command, timeout=timeout, output=output)
+        finally:
+            egress.relay_log(egress.docker_gateway_dir(handle), log)
+
+    def _run_staged(
+        self, handle: str, command: str, stage: Sequence[ImportEntry], *, timeout: float, output: OutputSink
+    ) -> RunOutcome:
+        try:
+            return super()._run_staged(handle, command, stage, timeout=timeout, output=output)
+        finally:
+            egress.relay_log(egress.docker_gateway_dir(handle), log)
+
     # -- lifecycle -------------------------------------------------------------------------------------
 
     def _provision(self, request: ProvisionRequest) -> str:
@@ -256,6 +301,8 @@ class DockerSandboxHook(DockerExec, StreamFiles, ShellFiles, Attachable, Sandbox
         self._sweep_engine(request.stamps)
         handle = request.name
         kwargs = driver.container_config(api, settings, request)
+        if request.spec.has_allowlist:
+            kwargs["environment"] = {**egress.proxy_env(), **kwargs["environment"]}
         if self.pull == "always":
             self._pull(settings["image"])
         container_id = self._create_container(kwargs, settings.get("disk_bytes"))
@@ -264,7 +311,10 @@ class DockerSandboxHook(DockerExec, StreamFiles, ShellFiles, Attachable, Sandbox
         # The keeper gets ready while the first program starts, which waits for it (see wait_argv).
         try:
             api.start(container_id)
+            if request.spec.has_allowlist:
+                self._start_gateway(handle, container_id, request)
         except BaseException as err:
+            egress.stop_gateway(egress.docker_gateway_dir(handle), remove=True)
             self._remove_quietly(container_id)
             if not isinstance(err, Exception):
                 raise
@@ -344,6 +394,7 @@ class DockerSandboxHook(DockerExec, StreamFiles, ShellFiles, Attachable, Sandbox
         import docker.errors
 
         self._forget(handle)
+        egress.stop_gateway(egress.docker_gateway_dir(handle), remove=True)
         try:
             self._client().api.remove_container(handle, force=True)
         except docker.errors.NotFound:
@@ -532,6 +583,7 @@ class DockerSandboxHook(DockerExec, StreamFiles, ShellFiles, Attachable, Sandbox
             self.remove_expired()
         except (SandboxError, ValueError):
             log.warning("Could not sweep leftover Docker sandboxes on %s", self._where, exc_info=True)
+        egress.sweep_gateways(egress.docker_gateway_root())
 
     # -- connection test -------------------------------------------------------------------------------
 

@@ -20,7 +20,9 @@ removed crash-safely (``_local_state``). The README's local backend section give
 kind of worker.
 
 ``block_network=False`` shares the worker's network namespace: the sandbox reaches whatever the
-worker reaches, its loopback services and abstract Unix sockets included.
+worker reaches, its loopback services and abstract Unix sockets included. ``allow_egress_to`` and
+``allow_egress_to_cidrs`` keep the empty namespace and add a gateway outside the sandbox
+(:mod:`sandbox_provider.sandbox.egress`), its socket bound in and presented on ``127.0.0.1:3128``.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
 from sandbox_provider.hooks import _local_cgroups as cgroups_mod
@@ -44,7 +46,9 @@ from sandbox_provider.hooks import _local_state as state
 from sandbox_provider.hooks._local_files import LocalFiles
 from sandbox_provider.hooks._local_ids import IdLeases, parse_uid_range
 from sandbox_provider.hooks.forms.local import FORM
+from sandbox_provider.sandbox import egress
 from sandbox_provider.sandbox.attach import Attachable, expiry_of
+from sandbox_provider.sandbox.egress.hooks import GatewayEgress
 from sandbox_provider.sandbox.errors import SandboxTerminalError
 from sandbox_provider.sandbox.files import ShellFiles
 from sandbox_provider.sandbox.hook import (
@@ -71,7 +75,7 @@ _EXPORT_MIN_RATE = 1024 * 1024  # bytes per second a local export is allowed to 
 _LEASE_SWEEP_EVERY = 60.0  # seconds between lease sweeps on the create path
 
 
-class LocalSandboxHook(LocalFiles, ShellFiles, Attachable, SandboxHook):
+class LocalSandboxHook(GatewayEgress, LocalFiles, ShellFiles, Attachable, SandboxHook):
     """
     Sandboxes on the worker, isolated with bubblewrap. Attachable by tasks on the same host.
 
@@ -107,14 +111,19 @@ class LocalSandboxHook(LocalFiles, ShellFiles, Attachable, SandboxHook):
     :param cgroup_parent: where sandbox cgroups go: relative paths under the worker's own cgroup
         (default ``airflow-sandbox``), absolute ones from the hierarchy's root.
     :param bwrap_path: the bubblewrap program, by name or path.
+    :param egress_ports: the ports hosts of ``allow_egress_to`` are reached on (default ``[443]``);
+        ranges of ``allow_egress_to_cidrs`` are reached on any port.
+    :param egress_pins: hostname -> address (or list of them) that the egress gateway uses instead
+        of resolving the name, trusted even in private or loopback ranges (an internal mirror, a
+        test server); the name must still be listed in ``allow_egress_to``.
     :raises ValueError: for a bad argument (a non-positive limit, a relative workdir, a bad range).
     """
 
     name = "local"
     display_name = "local"
     capabilities = Capabilities(
-        egress_hosts=False,
-        egress_cidrs=False,
+        egress_hosts=True,
+        egress_cidrs=True,
         # Each entry is three bubblewrap arguments (--setenv NAME VALUE, even through --args), and bwrap takes
         # at most 9000 in all.
         max_env_entries=2500,
@@ -126,9 +135,9 @@ class LocalSandboxHook(LocalFiles, ShellFiles, Attachable, SandboxHook):
             ),
         ),
         advice=(
-            "A sandbox here has either no network or the worker's. Stage what the job needs with inputs or files and "
-            "keep block_network=True, pass SandboxSpec(block_network=False) to accept open egress, or use a backend "
-            "that enforces allowlists, such as Modal for address ranges."
+            "A sandbox here has no network, the worker's, or allowlisted hosts and ranges through the egress gateway. "
+            "Stage what the job needs with inputs or files and keep block_network=True, list the hosts it needs in "
+            "allow_egress_to, or pass SandboxSpec(block_network=False) to accept open egress."
         ),
     )
     form = FORM
@@ -155,6 +164,8 @@ class LocalSandboxHook(LocalFiles, ShellFiles, Attachable, SandboxHook):
         uid_lease_dir: str | os.PathLike[str] | None = None,
         cgroup_parent: str | None = None,
         bwrap_path: str = "bwrap",
+        egress_ports: Sequence[int] = egress.DEFAULT_PORTS,
+        egress_pins: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -182,6 +193,8 @@ class LocalSandboxHook(LocalFiles, ShellFiles, Attachable, SandboxHook):
             cgroups_mod.check_parent(cgroup_parent)
         self.workdir = driver.check_local_workdir(workdir)
         self.bwrap_path = bwrap_path
+        self.egress_ports = egress.check_ports(egress_ports)
+        self.egress_pins = egress.host_pins(egress_pins)
         self._settings: dict[str, Any] | None = None
         self._leases_swept = 0.0
         self._bwrap_found: str | None = None
@@ -340,6 +353,30 @@ class LocalSandboxHook(LocalFiles, ShellFiles, Attachable, SandboxHook):
         expires = self._plan(handle).expires_at
         return None if expires is None else expires - time.time()
 
+    # -- egress gateway (sandbox/egress) ---------------------------------------------------------------
+
+    def _start_gateway(self, handle: str, request: ProvisionRequest) -> None:
+        """Start the gateway of a new sandbox whose spec has allowlists; destroy the sandbox if it fails."""
+        image = self._resolved()["image"]
+        path = os.path.join(self._root(), handle)
+        try:
+            if image and not os.path.exists(os.path.join(image, "usr/bin/socat")):
+                raise SandboxTerminalError(
+                    f"An egress allowlist needs socat inside the sandbox, and the image {image!r} has no "
+                    "/usr/bin/socat: install socat into it, or drop the allow lists."
+                )
+            egress.start_gateway(
+                egress.local_gateway_dir(path),
+                egress.policy_for(handle, request.spec, ports=self.egress_ports, pins=self.egress_pins),
+                expires_at=request.expires_at,
+                watch={"dir": path},
+                socket_owner=self.uid_of(handle) if self._drops_root else None,
+                dir_mode=0o711,
+            )
+        except BaseException:
+            self._destroy(handle)
+            raise
+
     # -- lifecycle -------------------------------------------------------------------------------------
 
     def _root(self, *, create: bool = False) -> str:
@@ -367,6 +404,8 @@ class LocalSandboxHook(LocalFiles, ShellFiles, Attachable, SandboxHook):
                 self._fill(staging, handle, request, limits)
         except OSError as err:
             raise SandboxTerminalError(f"Could not provision a sandbox under {root}: {err}") from err
+        if request.spec.has_allowlist:
+            self._start_gateway(handle, request)
         self._probe_once(handle, request, limits)
         log.info("Sandbox %s lives in %s until %s", handle, os.path.join(root, handle), time.ctime(request.expires_at))
         return handle
@@ -444,6 +483,7 @@ class LocalSandboxHook(LocalFiles, ShellFiles, Attachable, SandboxHook):
             cgroups = self._cgroups()
             if cgroups is not None:
                 cgroups.remove(handle)
+            egress.stop_gateway(egress.local_gateway_dir(path), match=os.path.join(root, handle) + "/")
             driver.kill_marked(path, match=os.path.join(root, handle) + "/")
             state.remove_sandbox_dir(path)
             leases = self._leases()
@@ -518,18 +558,24 @@ class LocalSandboxHook(LocalFiles, ShellFiles, Attachable, SandboxHook):
             record = state.read_record(path)
             tags, limits = record["stamps"], record["limits"]
             network = '"block_network":false' in tags.get(NETWORK_TAG, "")
+            gateway = (
+                egress.local_launch(egress.local_gateway_dir(path), [])
+                if egress.has_allowlist(tags.get(NETWORK_TAG))
+                else None
+            )
             argv = driver.bwrap_argv(
                 self._bwrap(),
                 box=state.box_path(path, limits),
                 workdir=self.workdir,
-                binds=self._system_binds(network),
+                binds=self._system_binds(network) + (gateway.binds if gateway else []),
                 network=network,
                 shm_bytes=int(limits.get("shm_bytes") or self.settings["shm_bytes"].default),
             )
             plan = _Plan(
                 path=path,
                 bwrap_argv=argv,
-                env={**driver.base_env(self.workdir), **record["env"]},
+                env={**driver.base_env(self.workdir), **(gateway.env if gateway else {}), **record["env"]},
+                prefix=gateway.argv if gateway else [],
                 limits=limits,
                 uid=int(tags.get(UID_TAG, os.getuid())),
                 tools={name: self._tool(name) for name in driver.TOOLS},
@@ -571,7 +617,7 @@ class LocalSandboxHook(LocalFiles, ShellFiles, Attachable, SandboxHook):
             started = driver.start(
                 plan.tools,
                 plan.bwrap_argv,
-                argv,
+                [*plan.prefix, *argv],
                 env=plan.env,
                 rlimits=rlimits,
                 uid=plan.uid if self._drops_root else None,
@@ -588,7 +634,11 @@ class LocalSandboxHook(LocalFiles, ShellFiles, Attachable, SandboxHook):
         finally:
             if stdin_fd is not None:
                 os.close(stdin_fd)  # the launch holds it now: a feeder sees EPIPE when the sandbox stops
-        outcome = self._follow(handle, plan.path, started, output, stdin, timeout, has_cgroup=cgroups is not None)
+        try:
+            outcome = self._follow(handle, plan.path, started, output, stdin, timeout, has_cgroup=cgroups is not None)
+        finally:
+            if plan.prefix:
+                egress.relay_log(egress.local_gateway_dir(plan.path), log)
         if ooms is not None and not outcome.timed_out and cgroups.oom_kills(handle) > ooms:
             output.stderr(
                 f"\n[sandbox] the kernel killed a process: the sandbox reached its memory limit "
@@ -638,6 +688,8 @@ class _Plan:
     uid: int
     tools: dict[str, str]
     expires_at: float | None
+    #: what runs before each launch's own program (the egress forwarder), or nothing
+    prefix: list[str] = dataclasses.field(default_factory=list)
 
 
 @functools.lru_cache(maxsize=16)
