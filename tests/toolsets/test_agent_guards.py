@@ -269,6 +269,7 @@ class _Reviewer(threading.Thread):
             self._run()
         except BaseException as err:  # noqa: BLE001 - reported by the test
             self.error = err
+            _end_the_wait(self.dag_id)
 
     def _run(self) -> None:
         client = self.client
@@ -335,6 +336,15 @@ def test_review_with_an_attached_sandbox_regenerates_in_the_same_sandbox(migrate
     assert collected["notes"] == "draft 1\ndraft 2\n"
 
 
+def _end_the_wait(dag_id: str) -> None:
+    """A helper that cannot answer fails the parked task, so dag.test() ends and the test reports why."""
+    with create_session() as session:
+        for ti in session.query(TaskInstance).filter_by(dag_id=dag_id, task_id="agent"):
+            if ti.state == TaskInstanceState.AWAITING_INPUT:
+                ti.state = TaskInstanceState.FAILED
+        session.commit()
+
+
 class _Approver(threading.Thread):
     """Answers a tool approval request through Airflow's HITL REST route, as a person in the UI does."""
 
@@ -351,12 +361,21 @@ class _Approver(threading.Thread):
         self.stop = threading.Event()
 
     def run(self) -> None:
+        from fastapi import HTTPException
+
+        give_up = time.monotonic() + 120
         try:
             while not self.answered and not self.stop.is_set():
-                self._answer_if_waiting()
+                try:
+                    self._answer_if_waiting()
+                except HTTPException as err:
+                    # The task is parked, but its request may not be readable yet: ask again, for a while.
+                    if err.status_code != 404 or time.monotonic() > give_up:
+                        raise
                 time.sleep(0.1)
         except BaseException as err:  # noqa: BLE001 - reported by the test
             self.error = err
+            _end_the_wait(self.dag_id)
 
     def _answer_if_waiting(self) -> None:
         from airflow.api_fastapi.core_api.datamodels.hitl import UpdateHITLDetailPayload
