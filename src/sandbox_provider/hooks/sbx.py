@@ -43,7 +43,15 @@ from sandbox_provider.hooks import _sbx_driver as driver
 from sandbox_provider.hooks.forms.sbx import FORM
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
-from sandbox_provider.sandbox.files import ShellFiles, check_export_size, checked_size, reported_size
+from sandbox_provider.sandbox.files import (
+    CountingReader,
+    ShellFiles,
+    check_export_size,
+    checked_size,
+    reported_size,
+    write_step_error,
+    write_through_temp,
+)
 from sandbox_provider.sandbox.hook import (
     FILE_OP_TIMEOUT,
     Capabilities,
@@ -466,47 +474,42 @@ class SbxSandboxHook(ShellFiles, SandboxHook):
         check_path(path)
         write = guest.program("write.sh")
         what = f"writing {path!r}"
-        out = bytearray()
-        code, err = self._file_exec(
-            handle, ["sh", "-c", write, "write.sh", "start", path], what=what, on_stdout=out.extend
-        )
-        if code != 0 or not out.strip():
-            raise SandboxError(f"Could not write {path!r}: {(err.strip().splitlines() or ['no temporary file'])[-1]}")
-        temp = out.decode().strip().splitlines()[-1]
-        counted = _Counting(source)
-        try:
+        counted = CountingReader(source)
+
+        def start() -> str:
+            out = bytearray()
+            code, err = self._file_exec(
+                handle, ["sh", "-c", write, "write.sh", "start", path], what=what, on_stdout=out.extend
+            )
+            if code != 0 or not out.strip():
+                raise write_step_error(path, err, "no temporary file")
+            return out.decode().strip().splitlines()[-1]
+
+        def fill(temp: str) -> int:
             code, err = self._file_exec(handle, ["sh", "-c", 'cat > "$1"', "append", temp], what=what, stdin=counted)
             if code != 0:
-                raise SandboxError(f"Could not write {path!r}: {(err.strip().splitlines() or ['copy failed'])[-1]}")
+                raise write_step_error(path, err, "copy failed")
             check = ["sh", "-c", guest.program("file.sh"), "file.sh", temp, "-", "check"]
             code, err = self._file_exec(handle, check, what=what)
             if code != 0 or reported_size(err) != counted.total:
                 raise SandboxError(
                     f"Could not write {path!r}: the sandbox holds {reported_size(err)} of the {counted.total} bytes sent."
                 )
+            return counted.total
+
+        def commit(temp: str) -> None:
             code, err = self._file_exec(handle, ["sh", "-c", write, "write.sh", "commit", temp, path], what=what)
             if code != 0:
-                raise SandboxError(f"Could not write {path!r}: {(err.strip().splitlines() or ['rename failed'])[-1]}")
-        except BaseException:
-            try:
-                self._file_exec(handle, ["sh", "-c", write, "write.sh", "abort", temp], what="cleaning up")
-            except Exception:  # the first failure is the one to report
-                pass
-            raise
-        return counted.total
+                raise write_step_error(path, err, "rename failed")
 
-
-class _Counting:
-    """A binary source that counts the bytes read from it."""
-
-    def __init__(self, source: IO[bytes]) -> None:
-        self.source = source
-        self.total = 0
-
-    def read(self, size: int = -1) -> bytes:
-        data = self.source.read(size)
-        self.total += len(data or b"")
-        return data or b""
+        return write_through_temp(
+            start=start,
+            fill=fill,
+            commit=commit,
+            abort=lambda temp: self._file_exec(
+                handle, ["sh", "-c", write, "write.sh", "abort", temp], what="cleaning up"
+            ),
+        )
 
 
 def _in_workdir(workdir: str, argv: list[str]) -> list[str]:
