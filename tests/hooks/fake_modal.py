@@ -17,13 +17,14 @@ from __future__ import annotations
 import enum
 import itertools
 import os
-import signal
 import subprocess
 import threading
 import types
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+from tests.hooks.fake_service import kill_group
 
 
 def _exception_module() -> types.ModuleType:
@@ -151,10 +152,7 @@ class HostProcess:
 
     def _kill_at_deadline(self) -> None:
         self.timed_out = True
-        try:
-            os.killpg(self._proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group(self._proc.pid)
 
     def _chunks(self, pipe: Any):
         while chunk := os.read(pipe.fileno(), self.chunk_bytes):
