@@ -26,6 +26,7 @@ __all__ = [
     "discard",
     "load_connection",
     "retry_after_seconds",
+    "status_error",
 ]
 
 T = TypeVar("T")
@@ -151,6 +152,27 @@ def load_connection(hook: Any, conn_id: str, *, fallback: str) -> ServiceConnect
     if host and "://" not in host:
         host = "https://" + host
     return ServiceConnection(conn_id, host, conn.password or None, dict(conn.extra_dejson or {}))
+
+
+def status_error(service: str, status: int | None, *, doing: str, what: str, detail: str) -> SandboxError | None:
+    """
+    The error a hosted service's answer ``status`` means for every such backend, or None for one
+    whose meaning is the backend's own: 401/403 the credentials (the connection's password, or
+    ``<SERVICE>_API_KEY``), 402 billing, 404 the sandbox (``what``) is gone.
+    """
+    if status in (401, 403):
+        return SandboxTerminalError(
+            f"{service} refused the credentials while {doing} ({detail}). Check the API key: the password of the "
+            f"connection, or {service.upper()}_API_KEY."
+        )
+    if status == 402:
+        return SandboxTerminalError(f"{service} refused {doing} for billing reasons ({detail}); check the account.")
+    if status == 404:
+        return SandboxTerminalError(
+            f"{service} has no {what} any more ({detail}): it was deleted, or its lifetime (sandbox_timeout) ended. "
+            "Provision a new sandbox."
+        )
+    return None
 
 
 def abandon_runaway(destroy: Callable[[str], None], handle: str, output: Any, timeout: float, *, ends: str) -> Any:
