@@ -1,7 +1,8 @@
 """
-Plumbing the hosted-service backends (Islo, Boat) share: reading their Airflow connection, a retry
-loop that never outlasts its deadline, ``Retry-After`` parsing, and the check of a service URL
-before an API key is sent to it.
+Plumbing the backends with a connection of their own share: checking the connection id, reading the
+connection and resolving settings over its extras; and what the hosted-service backends (Islo, Boat)
+share: a retry loop that never outlasts its deadline, ``Retry-After`` parsing, the errors an answer's
+status means, and the check of a service URL before an API key is sent to it.
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ __all__ = [
     "ServiceConnection",
     "abandon_runaway",
     "call",
+    "check_conn_id",
     "check_service_url",
     "discard",
+    "find_connection",
     "load_connection",
+    "resolve_settings",
     "retry_after_seconds",
     "status_error",
 ]
@@ -105,6 +109,42 @@ def check_service_url(url: str, what: str) -> str:
     return str(url).strip().rstrip("/")
 
 
+def check_conn_id(conn_id: Any, name: str) -> str:
+    """:raises ValueError: unless ``conn_id`` (the hook argument ``name``) is a connection id."""
+    if not isinstance(conn_id, str) or not conn_id.strip():
+        raise ValueError(f"{name} must be a connection id, got {conn_id!r}.")
+    return conn_id
+
+
+def find_connection(hook: Any, conn_id: str, *, fallback: str) -> Any:
+    """
+    Return ``hook``'s Airflow connection ``conn_id``, or None when it is the hook's default one and
+    is not defined (then ``fallback`` applies).
+
+    :param fallback: what applies without a connection, for the message (``"ISLO_API_KEY on the worker"``).
+    :raises SandboxTerminalError: for a named connection that does not exist.
+    """
+    from airflow.exceptions import AirflowNotFoundException
+
+    try:
+        return hook.get_connection(conn_id)
+    except AirflowNotFoundException:
+        if conn_id != hook.default_conn_name:
+            raise SandboxTerminalError(
+                f"The Airflow connection {conn_id!r} does not exist. Define it with type {hook.conn_type}, or leave "
+                f"{hook.conn_name_attr} unset to use {fallback}."
+            ) from None
+        return None
+
+
+def resolve_settings(table: Any, args: Mapping[str, Any], extra: Mapping[str, Any], conn_id: str) -> dict[str, Any]:
+    """``table.resolve`` of hook ``args`` over the connection's ``extra``; a bad extra is a terminal error naming it."""
+    try:
+        return table.resolve(args, extra, conn_id=conn_id)
+    except ValueError as err:
+        raise SandboxTerminalError(f"{err} Fix the extra or pass the setting to the hook.") from None
+
+
 @dataclass(frozen=True)
 class ServiceConnection:
     """
@@ -123,10 +163,7 @@ class ServiceConnection:
 
     def resolve(self, table: Any, args: Mapping[str, Any]) -> dict[str, Any]:
         """``table.resolve`` over this connection's extras; a bad extra is a terminal error naming it."""
-        try:
-            return table.resolve(args, self.extra, conn_id=self.conn_id)
-        except ValueError as err:
-            raise SandboxTerminalError(f"{err} Fix the extra or pass the setting to the hook.") from None
+        return resolve_settings(table, args, self.extra, self.conn_id)
 
 
 def load_connection(hook: Any, conn_id: str, *, fallback: str) -> ServiceConnection:
@@ -137,16 +174,8 @@ def load_connection(hook: Any, conn_id: str, *, fallback: str) -> ServiceConnect
     :param fallback: what applies without a connection, for the message (``"ISLO_API_KEY"``).
     :raises SandboxTerminalError: for a named connection that does not exist.
     """
-    from airflow.exceptions import AirflowNotFoundException
-
-    try:
-        conn = hook.get_connection(conn_id)
-    except AirflowNotFoundException:
-        if conn_id != hook.default_conn_name:
-            raise SandboxTerminalError(
-                f"The Airflow connection {conn_id!r} does not exist. Define it with type {hook.conn_type}, or leave "
-                f"{hook.conn_name_attr} unset to use {fallback} on the worker."
-            ) from None
+    conn = find_connection(hook, conn_id, fallback=f"{fallback} on the worker")
+    if conn is None:
         return ServiceConnection(conn_id)
     host = (conn.host or "").strip() or None
     if host and "://" not in host:

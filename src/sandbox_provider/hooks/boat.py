@@ -42,7 +42,14 @@ from typing import IO, Any, cast
 
 from sandbox_provider.hooks import _boat_driver as driver
 from sandbox_provider.hooks._deadline_run import parse_status, replay, wrapper_command
-from sandbox_provider.hooks._hosted import abandon_runaway, call, check_service_url, discard, load_connection
+from sandbox_provider.hooks._hosted import (
+    abandon_runaway,
+    call,
+    check_conn_id,
+    check_service_url,
+    discard,
+    load_connection,
+)
 from sandbox_provider.hooks.forms.boat import FORM
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 from sandbox_provider.sandbox.files import ShellFiles, write_through_temp
@@ -127,9 +134,7 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if not isinstance(boat_conn_id, str) or not boat_conn_id.strip():
-            raise ValueError(f"boat_conn_id must be a connection id, got {boat_conn_id!r}.")
-        self.boat_conn_id = boat_conn_id
+        self.boat_conn_id = check_conn_id(boat_conn_id, "boat_conn_id")
         self._args = self.settings.check_args(
             {
                 "machine_type": machine_type,

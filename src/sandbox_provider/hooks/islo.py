@@ -34,7 +34,14 @@ from typing import IO, Any
 
 from sandbox_provider.hooks import _islo_driver as driver
 from sandbox_provider.hooks._deadline_run import parse_status, replay, wrapper_argv
-from sandbox_provider.hooks._hosted import abandon_runaway, call, check_service_url, discard, load_connection
+from sandbox_provider.hooks._hosted import (
+    abandon_runaway,
+    call,
+    check_conn_id,
+    check_service_url,
+    discard,
+    load_connection,
+)
 from sandbox_provider.hooks.forms.islo import FORM
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
@@ -134,9 +141,7 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if not isinstance(islo_conn_id, str) or not islo_conn_id.strip():
-            raise ValueError(f"islo_conn_id must be a connection id, got {islo_conn_id!r}.")
-        self.islo_conn_id = islo_conn_id
+        self.islo_conn_id = check_conn_id(islo_conn_id, "islo_conn_id")
         self._args = self.settings.check_args(
             {
                 "image": image,

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import IO, Any, ClassVar
 
 from sandbox_provider.hooks import _openshell_driver as driver
+from sandbox_provider.hooks._hosted import check_conn_id, find_connection, resolve_settings
 from sandbox_provider.hooks.forms.openshell import FORM
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
@@ -155,9 +156,7 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if not isinstance(openshell_conn_id, str) or not openshell_conn_id.strip():
-            raise ValueError(f"openshell_conn_id must be a connection id, got {openshell_conn_id!r}.")
-        self.openshell_conn_id = openshell_conn_id
+        self.openshell_conn_id = check_conn_id(openshell_conn_id, "openshell_conn_id")
         self._args = self.settings.check_args(
             {
                 "gateway": gateway,
@@ -182,26 +181,13 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
     def _resolved(self) -> dict[str, Any]:
         if self._settings_obj is not None:
             return self._settings_obj
-        from airflow.exceptions import AirflowNotFoundException
-
         fields: dict[str, Any] = {"host": None, "port": None, "password": None}
         extra: dict[str, Any] = {}
-        try:
-            conn = self.get_connection(self.openshell_conn_id)
-        except AirflowNotFoundException:
-            if self.openshell_conn_id != self.default_conn_name:
-                raise SandboxTerminalError(
-                    f"The Airflow connection {self.openshell_conn_id!r} does not exist. Define it with type "
-                    "sandbox_openshell, or leave openshell_conn_id unset to use the gateway registered with the "
-                    "openshell CLI."
-                ) from None
-        else:
+        conn = find_connection(self, self.openshell_conn_id, fallback="the gateway registered with the openshell CLI")
+        if conn is not None:
             fields = {"host": conn.host or None, "port": conn.port or None, "password": conn.password or None}
             extra = dict(conn.extra_dejson or {})
-        try:
-            settings = self.settings.resolve(self._args, extra, conn_id=self.openshell_conn_id)
-        except ValueError as err:
-            raise SandboxTerminalError(f"{err} Fix the extra or pass the setting to the hook.") from None
+        settings = resolve_settings(self.settings, self._args, extra, self.openshell_conn_id)
         settings.update(fields)
         self._settings_obj = settings
         return settings

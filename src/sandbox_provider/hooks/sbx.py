@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import IO, Any, ClassVar
 
 from sandbox_provider.hooks import _sbx_driver as driver
+from sandbox_provider.hooks._hosted import check_conn_id, find_connection, resolve_settings
 from sandbox_provider.hooks.forms.sbx import FORM
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
@@ -156,9 +157,7 @@ class SbxSandboxHook(ShellFiles, SandboxHook):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if not isinstance(sbx_conn_id, str) or not sbx_conn_id.strip():
-            raise ValueError(f"sbx_conn_id must be a connection id, got {sbx_conn_id!r}.")
-        self.sbx_conn_id = sbx_conn_id
+        self.sbx_conn_id = check_conn_id(sbx_conn_id, "sbx_conn_id")
         self._args = self.settings.check_args(
             {
                 "image": image,
@@ -182,21 +181,9 @@ class SbxSandboxHook(ShellFiles, SandboxHook):
         with self._lock:
             if self._settings_obj is not None:
                 return self._settings_obj
-            from airflow.exceptions import AirflowNotFoundException
-
-            extra: dict[str, Any] = {}
-            try:
-                extra = dict(self.get_connection(self.sbx_conn_id).extra_dejson or {})
-            except AirflowNotFoundException:
-                if self.sbx_conn_id != self.default_conn_name:
-                    raise SandboxTerminalError(
-                        f"The Airflow connection {self.sbx_conn_id!r} does not exist. Define it with type sandbox_sbx, "
-                        "or leave sbx_conn_id unset to use the hook's arguments and defaults."
-                    ) from None
-            try:
-                settings = self.settings.resolve(self._args, extra, conn_id=self.sbx_conn_id)
-            except ValueError as err:
-                raise SandboxTerminalError(f"{err} Fix the extra or pass the setting to the hook.") from None
+            conn = find_connection(self, self.sbx_conn_id, fallback="the hook's arguments and defaults")
+            extra = dict(conn.extra_dejson or {}) if conn is not None else {}
+            settings = resolve_settings(self.settings, self._args, extra, self.sbx_conn_id)
             self._settings_obj = settings
             return settings
 
