@@ -48,19 +48,13 @@ def ui_field_behaviour(behaviour: Mapping[str, Any]) -> dict[str, Any]:
 
 def connection_forms() -> list[tuple[str, Any]]:
     """``(hook class path, ConnectionForm)`` for every backend with a connection type of its own."""
-    from sandbox_provider.hooks import HOOK_CLASSES
+    from sandbox_provider.hooks import BACKENDS
 
     found = []
-    for path in HOOK_CLASSES:
-        module, _, name = path.partition(":")
-        form_module = module.replace(".hooks.", ".hooks.forms.", 1)
-        try:
-            forms = importlib.import_module(form_module)
-        except ModuleNotFoundError as err:
-            if err.name != form_module:
-                raise
-            continue  # a backend on another provider's connection type (Modal's "modal")
-        found.append((f"{module}.{name}", forms.FORM))
+    for path, form_module in BACKENDS.items():
+        if form_module is not None:
+            module, _, name = path.partition(":")
+            found.append((f"{module}.{name}", importlib.import_module(form_module).FORM))
     return found
 
 

@@ -58,8 +58,6 @@ def _rooted_sandbox_class(roots: Path) -> type:
             super().put(self.host_path(remote_path), data)
 
         def exec(self, *args: str, workdir: str | None = None, **kw):
-            if self.terminated:
-                raise self.modal.exception.SandboxTerminatedError(f"{self.object_id} was terminated")
             args = tuple(self.host_path(arg) for arg in args)
             return super().exec(*args, workdir=workdir and self.host_path(workdir), **kw)
 

@@ -36,6 +36,7 @@ from typing import Any
 
 import pytest
 from tests.hooks import guest_vm
+from tests.hooks.fake_service import Fault, FaultInjection, kill_running
 
 API_KEY = "boat_test_key"
 GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -48,19 +49,6 @@ COMMAND_CAP = 600
 _ID_ALPHABET = "23456789abcdefghjkmnpqrstuvwxyz"
 #: How long a request that is never answered holds its connection, at most (the fake's close ends it sooner).
 HANG_LIMIT = 120
-
-
-@dataclass
-class Fault:
-    route: str
-    status: int | None = None
-    after: bool = False
-    drop: bool = False
-    hang: bool = False
-    retry_after: str | None = None
-    times: int = 1
-    #: Answer 200 with this JSON instead of serving the request.
-    body: dict[str, Any] | None = None
 
 
 @dataclass
@@ -79,13 +67,16 @@ class FakeBoatSandbox:
         return self.root / posixpath.normpath(posixpath.join(HOME, guest_path)).lstrip("/")
 
 
-class FakeBoat:
+class FakeBoat(FaultInjection):
     """Boat on ``127.0.0.1``. ``attempts`` lists ``(method, route)`` of every request that reached it."""
 
+    #: The routes :meth:`fail` takes.
+    ROUTES = ("create", "get", "update", "delete", "command", "write")
+
     def __init__(self, root: Path) -> None:
+        super().__init__()
         self.root = root
         self.sandboxes: dict[str, FakeBoatSandbox] = {}
-        self.attempts: list[tuple[str, str]] = []
         self.idempotency: dict[str, str] = {}
         #: Bytes of each stream Boat keeps from a command (the head).
         self.output_cap = 8 * 1024 * 1024
@@ -93,8 +84,6 @@ class FakeBoat:
         self.provisioning_polls = 0
         #: Guest directories the file API refuses to write under (as Boat does where a link leads out).
         self.refuse_writes_under: list[str] = []
-        self._faults: list[Fault] = []
-        self._lock = threading.Lock()
         self._closing = threading.Event()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
@@ -115,16 +104,6 @@ class FakeBoat:
         config = boat_sdk.Configuration(host=self.url, access_token=api_key, retries=retries)
         return boat_sdk.BoatApi(boat_sdk.ApiClient(config))
 
-    def fail(self, route: str, **kwargs) -> None:
-        """
-        Make the next ``times`` requests on ``route`` fail. Routes: ``create``, ``get``, ``update``,
-        ``delete``, ``command``, ``write``.
-        """
-        self._faults.append(Fault(route, **kwargs))
-
-    def count(self, route: str) -> int:
-        return sum(1 for _, r in self.attempts if r == route)
-
     def finish_deletions(self) -> None:
         """Let every asynchronous delete complete: those sandboxes are gone (404) from now on."""
         for sandbox_id in [s.id for s in self.sandboxes.values() if s.deletion]:
@@ -139,14 +118,6 @@ class FakeBoat:
         shutil.rmtree(self.root, ignore_errors=True)
 
     # -- dispatch --------------------------------------------------------------------------------------
-
-    def take_fault(self, route: str) -> Fault | None:
-        with self._lock:
-            for fault in self._faults:
-                if fault.route == route and fault.times > 0:
-                    fault.times -= 1
-                    return fault
-        return None
 
     def serve(self, method: str, parts: list[str], headers, body: bytes) -> tuple[int, Any]:
         route, sandbox_id = _route(method, parts)
@@ -374,12 +345,7 @@ def _fault(fault: Fault) -> tuple[int, Any, dict[str, str]]:
 
 
 def _kill(sandbox: FakeBoatSandbox) -> None:
-    for process in sandbox.processes:
-        if process.poll() is None:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    kill_running(sandbox.processes)
 
 
 def _now() -> str:

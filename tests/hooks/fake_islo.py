@@ -26,7 +26,6 @@ import email.policy
 import json
 import os
 import shutil
-import signal
 import subprocess
 import threading
 import uuid
@@ -38,6 +37,7 @@ from typing import Any
 import httpx
 import pytest
 from tests.hooks import guest_vm
+from tests.hooks.fake_service import Fault, FaultInjection, kill_running
 
 CONTROL_URL = "https://api.islo.test"
 COMPUTE_URL = "https://compute.islo.test"
@@ -48,19 +48,6 @@ STREAM_CAP = 1024 * 1024
 #: What the service sets ``PATH`` to, whatever the sandbox's env says.
 GUEST_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEFAULT_WORKDIR = "/workspace"
-
-
-@dataclass
-class Fault:
-    route: str
-    status: int | None = None
-    after: bool = False
-    drop: bool = False
-    connect: bool = False
-    retry_after: str | None = None
-    times: int = 1
-    #: Answer 200 with this JSON instead of serving the request.
-    body: dict[str, Any] | None = None
 
 
 @dataclass
@@ -97,20 +84,21 @@ class FakeIsloSandbox:
         return self.root / joined.lstrip("/")
 
 
-class FakeIslo:
+class FakeIslo(FaultInjection):
     """The Islo service for one test. ``attempts`` lists ``(method, route)`` of every request that reached it."""
 
+    #: The routes :meth:`fail` takes.
+    ROUTES = ("token", "create", "get", "delete", "exec", "exec-result", "download", "upload")
+
     def __init__(self, root: Path) -> None:
+        super().__init__()
         self.root = root
         self.sandboxes: dict[str, FakeIsloSandbox] = {}
         self.deleted: list[str] = []
-        self.attempts: list[tuple[str, str]] = []
         self.token_exchanges = 0
         #: The status new sandboxes start in; "starting" ones become "running" after ``starting_polls`` GETs.
         self.new_status = "running"
         self.starting_polls = 0
-        self._faults: list[Fault] = []
-        self._lock = threading.Lock()
         self.transport = httpx.MockTransport(self._handle)
 
     # -- set-up ----------------------------------------------------------------------------------------
@@ -135,17 +123,6 @@ class FakeIslo:
             **kwargs,
         )
 
-    def fail(self, route: str, **kwargs) -> None:
-        """
-        Make the next ``times`` requests on ``route`` fail. Routes: ``token``, ``create``, ``get``,
-        ``delete``, ``exec``, ``exec-result``, ``download``, ``upload``.
-        """
-        self._faults.append(Fault(route, **kwargs))
-
-    def count(self, route: str) -> int:
-        """Requests on ``route`` that reached the service (connection failures excluded)."""
-        return sum(1 for _, r in self.attempts if r == route)
-
     def close(self) -> None:
         for sandbox in list(self.sandboxes.values()):
             self._kill(sandbox)
@@ -155,7 +132,7 @@ class FakeIslo:
 
     def _handle(self, request: httpx.Request) -> httpx.Response:
         route, name, rest = _route(request)
-        fault = self._take_fault(route)
+        fault = self.take_fault(route)
         if fault and fault.connect:
             raise httpx.ConnectError("connection refused (injected)", request=request)
         self.attempts.append((request.method, route))
@@ -172,14 +149,6 @@ class FakeIslo:
         if fault and fault.status:
             return _fault_response(fault)
         return response
-
-    def _take_fault(self, route: str) -> Fault | None:
-        with self._lock:
-            for fault in self._faults:
-                if fault.route == route and fault.times > 0:
-                    fault.times -= 1
-                    return fault
-        return None
 
     def _serve(self, route: str, request: httpx.Request, name: str | None, rest: str | None) -> httpx.Response:
         if route == "token":
@@ -307,12 +276,7 @@ class FakeIslo:
         return httpx.Response(200, json={"status": "uploaded"})
 
     def _kill(self, sandbox: FakeIsloSandbox) -> None:
-        for record in sandbox.execs.values():
-            if record.process is not None and record.process.poll() is None:
-                try:
-                    os.killpg(record.process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        kill_running(record.process for record in sandbox.execs.values())
 
 
 class _ExchangeShim:

@@ -5,7 +5,11 @@ A stand-in for the ``modal`` SDK, enough for ModalSandboxHook, with no network a
 mirrors the class names and parents of the real ``modal.exception`` (checked against the installed
 SDK by ``test_modal_sdk_signatures.py``). Sandboxes record every call; a command either takes the
 next :class:`FakeProcess` queued on the sandbox, or, with ``run_on_host`` set, runs through the
-host's ``sh`` so the hook's guest scripts are exercised for real against a temporary directory.
+host's ``sh`` so the hook's guest scripts are exercised for real against a temporary directory
+(:class:`HostProcess`). Such a command keeps to what Modal does: it sees the sandbox's ``env`` over a
+bare environment (the worker's ``PATH`` and nothing else of it), its output streams as it arrives,
+it is killed with its whole process group at its ``timeout`` (whole seconds) and then reports -1, a
+signal ``N`` reports ``128 + N``, and a terminated sandbox refuses to run anything.
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ import enum
 import itertools
 import os
 import subprocess
+import threading
 import types
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+from tests.hooks.fake_service import kill_group
 
 
 def _exception_module() -> types.ModuleType:
@@ -120,6 +127,52 @@ class FakeProcess:
         return self.returncode
 
 
+class HostProcess:
+    """A command running through the host's ``sh`` as Modal runs one in a sandbox (see the module docstring)."""
+
+    #: Bytes one read of an output pipe takes at most: Modal streams output in chunks.
+    chunk_bytes = 7000
+
+    def __init__(self, args: tuple[str, ...], *, cwd: str | None, env: dict[str, str], timeout: int | None) -> None:
+        self._proc = subprocess.Popen(
+            list(args),
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self.timed_out = False
+        self._timer = threading.Timer(timeout or 60, self._kill_at_deadline)
+        self._timer.daemon = True
+        self._timer.start()
+        self.stdout = self._chunks(self._proc.stdout)
+        self.stderr = self._chunks(self._proc.stderr)
+
+    def _kill_at_deadline(self) -> None:
+        self.timed_out = True
+        kill_group(self._proc.pid)
+
+    def _chunks(self, pipe: Any):
+        while chunk := os.read(pipe.fileno(), self.chunk_bytes):
+            yield chunk
+        pipe.close()
+
+    def _status(self, code: int) -> int:
+        self._timer.cancel()
+        if self.timed_out:
+            return -1
+        return 128 - code if code < 0 else code
+
+    def wait(self) -> int:
+        return self._status(self._proc.wait())
+
+    def poll(self) -> int | None:
+        code = self._proc.poll()
+        return None if code is None else self._status(code)
+
+
 class FakeFilesystem:
     def __init__(self, sandbox: FakeSandbox) -> None:
         self._sandbox = sandbox
@@ -190,6 +243,8 @@ class FakeSandbox:
 
     def exec(self, *args: str, timeout: int | None = None, workdir: str | None = None, text: bool = True, **kw):
         self.calls.append(("exec", args, {"timeout": timeout, "workdir": workdir, "text": text, **kw}))
+        if self.terminated:
+            raise self.modal.exception.SandboxTerminatedError(f"{self.object_id} was terminated")
         if self.exec_errors:
             raise self.exec_errors.popleft()
         if self.processes:
@@ -198,10 +253,8 @@ class FakeSandbox:
                 raise item
             return item
         if self.run_on_host:
-            done = subprocess.run(list(args), cwd=workdir, capture_output=True, timeout=60, check=False)
-            # Split into pieces, as Modal streams output in chunks.
-            out = [done.stdout[i : i + 7000] for i in range(0, len(done.stdout), 7000)]
-            return FakeProcess(done.returncode, out, done.stderr)
+            env = {"PATH": os.environ.get("PATH", os.defpath), **(self.create_kwargs.get("env") or {})}
+            return HostProcess(args, cwd=workdir, env=env, timeout=timeout)
         return FakeProcess(0)
 
     def get_tags(self) -> dict[str, str]:

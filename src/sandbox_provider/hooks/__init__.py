@@ -15,19 +15,23 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from sandbox_provider.sandbox.hook import SandboxHook
 
-__all__ = ["HOOK_CLASSES", "connection_types", "get_sandbox_hook", "hook_class", "hook_classes"]
+__all__ = ["BACKENDS", "HOOK_CLASSES", "connection_types", "get_sandbox_hook", "hook_class", "hook_classes"]
 
-#: Every backend, as ``"module:ClassName"``.
-HOOK_CLASSES: tuple[str, ...] = (
-    "sandbox_provider.hooks.local:LocalSandboxHook",
-    "sandbox_provider.hooks.docker:DockerSandboxHook",
-    "sandbox_provider.hooks.modal:ModalSandboxHook",
-    "sandbox_provider.hooks.islo:IsloSandboxHook",
-    "sandbox_provider.hooks.boat:BoatSandboxHook",
-    "sandbox_provider.hooks.opensandbox:OpenSandboxHook",
-    "sandbox_provider.hooks.openshell:OpenShellSandboxHook",
-    "sandbox_provider.hooks.sbx:SbxSandboxHook",
-)
+#: Every backend: its hook as ``"module:ClassName"``, and the module of its connection form
+#: (``hooks/forms/<backend>.py``, which imports nothing of Airflow), or None for a backend on another
+#: provider's connection type (Modal's ``modal``).
+BACKENDS: dict[str, str | None] = {
+    "sandbox_provider.hooks.local:LocalSandboxHook": "sandbox_provider.hooks.forms.local",
+    "sandbox_provider.hooks.docker:DockerSandboxHook": "sandbox_provider.hooks.forms.docker",
+    "sandbox_provider.hooks.modal:ModalSandboxHook": None,
+    "sandbox_provider.hooks.islo:IsloSandboxHook": "sandbox_provider.hooks.forms.islo",
+    "sandbox_provider.hooks.boat:BoatSandboxHook": "sandbox_provider.hooks.forms.boat",
+    "sandbox_provider.hooks.opensandbox:OpenSandboxHook": "sandbox_provider.hooks.forms.opensandbox",
+    "sandbox_provider.hooks.openshell:OpenShellSandboxHook": "sandbox_provider.hooks.forms.openshell",
+    "sandbox_provider.hooks.sbx:SbxSandboxHook": "sandbox_provider.hooks.forms.sbx",
+}
+#: Every backend's hook, as ``"module:ClassName"``.
+HOOK_CLASSES: tuple[str, ...] = tuple(BACKENDS)
 
 
 def hook_class(path: str) -> type[SandboxHook]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from sandbox_provider.hooks._hosted import retry_after_seconds
+from sandbox_provider.hooks._hosted import retry_after_seconds, status_error
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 
 __all__ = [
@@ -116,18 +116,9 @@ def translate(err: BaseException, doing: str, handle: str | None = None, *, mayb
     what = f"sandbox {handle}" if handle else "the sandbox"
     status = status_of(err)
     detail = _message(err)
-    if status in (401, 403):
-        return SandboxTerminalError(
-            f"Boat refused the credentials while {doing} ({detail}). Check the API key: the password of the "
-            "connection, or BOAT_API_KEY."
-        )
-    if status == 402:
-        return SandboxTerminalError(f"Boat refused {doing} for billing reasons ({detail}); check the account.")
-    if status == 404:
-        return SandboxTerminalError(
-            f"Boat has no {what} any more ({detail}): it was deleted, or its lifetime (sandbox_timeout) ended. "
-            "Provision a new sandbox."
-        )
+    common = status_error("Boat", status, doing=doing, what=what, detail=detail)
+    if common is not None:
+        return common
     if status == 409:
         return SandboxTerminalError(
             f"Boat cannot use {what} now ({detail}): it is not running. Provision a new sandbox."

@@ -1,7 +1,8 @@
 """
-Plumbing the hosted-service backends (Islo, Boat) share: reading their Airflow connection, a retry
-loop that never outlasts its deadline, ``Retry-After`` parsing, and the check of a service URL
-before an API key is sent to it.
+Plumbing the backends with a connection of their own share: checking the connection id, reading the
+connection and resolving settings over its extras; and what the hosted-service backends (Islo, Boat)
+share: a retry loop that never outlasts its deadline, ``Retry-After`` parsing, the errors an answer's
+status means, and the check of a service URL before an API key is sent to it.
 """
 
 from __future__ import annotations
@@ -22,10 +23,14 @@ __all__ = [
     "ServiceConnection",
     "abandon_runaway",
     "call",
+    "check_conn_id",
     "check_service_url",
     "discard",
+    "find_connection",
     "load_connection",
+    "resolve_settings",
     "retry_after_seconds",
+    "status_error",
 ]
 
 T = TypeVar("T")
@@ -104,6 +109,42 @@ def check_service_url(url: str, what: str) -> str:
     return str(url).strip().rstrip("/")
 
 
+def check_conn_id(conn_id: Any, name: str) -> str:
+    """:raises ValueError: unless ``conn_id`` (the hook argument ``name``) is a connection id."""
+    if not isinstance(conn_id, str) or not conn_id.strip():
+        raise ValueError(f"{name} must be a connection id, got {conn_id!r}.")
+    return conn_id
+
+
+def find_connection(hook: Any, conn_id: str, *, fallback: str) -> Any:
+    """
+    Return ``hook``'s Airflow connection ``conn_id``, or None when it is the hook's default one and
+    is not defined (then ``fallback`` applies).
+
+    :param fallback: what applies without a connection, for the message (``"ISLO_API_KEY on the worker"``).
+    :raises SandboxTerminalError: for a named connection that does not exist.
+    """
+    from airflow.exceptions import AirflowNotFoundException
+
+    try:
+        return hook.get_connection(conn_id)
+    except AirflowNotFoundException:
+        if conn_id != hook.default_conn_name:
+            raise SandboxTerminalError(
+                f"The Airflow connection {conn_id!r} does not exist. Define it with type {hook.conn_type}, or leave "
+                f"{hook.conn_name_attr} unset to use {fallback}."
+            ) from None
+        return None
+
+
+def resolve_settings(table: Any, args: Mapping[str, Any], extra: Mapping[str, Any], conn_id: str) -> dict[str, Any]:
+    """``table.resolve`` of hook ``args`` over the connection's ``extra``; a bad extra is a terminal error naming it."""
+    try:
+        return table.resolve(args, extra, conn_id=conn_id)
+    except ValueError as err:
+        raise SandboxTerminalError(f"{err} Fix the extra or pass the setting to the hook.") from None
+
+
 @dataclass(frozen=True)
 class ServiceConnection:
     """
@@ -122,10 +163,7 @@ class ServiceConnection:
 
     def resolve(self, table: Any, args: Mapping[str, Any]) -> dict[str, Any]:
         """``table.resolve`` over this connection's extras; a bad extra is a terminal error naming it."""
-        try:
-            return table.resolve(args, self.extra, conn_id=self.conn_id)
-        except ValueError as err:
-            raise SandboxTerminalError(f"{err} Fix the extra or pass the setting to the hook.") from None
+        return resolve_settings(table, args, self.extra, self.conn_id)
 
 
 def load_connection(hook: Any, conn_id: str, *, fallback: str) -> ServiceConnection:
@@ -136,21 +174,34 @@ def load_connection(hook: Any, conn_id: str, *, fallback: str) -> ServiceConnect
     :param fallback: what applies without a connection, for the message (``"ISLO_API_KEY"``).
     :raises SandboxTerminalError: for a named connection that does not exist.
     """
-    from airflow.exceptions import AirflowNotFoundException
-
-    try:
-        conn = hook.get_connection(conn_id)
-    except AirflowNotFoundException:
-        if conn_id != hook.default_conn_name:
-            raise SandboxTerminalError(
-                f"The Airflow connection {conn_id!r} does not exist. Define it with type {hook.conn_type}, or leave "
-                f"{hook.conn_name_attr} unset to use {fallback} on the worker."
-            ) from None
+    conn = find_connection(hook, conn_id, fallback=f"{fallback} on the worker")
+    if conn is None:
         return ServiceConnection(conn_id)
     host = (conn.host or "").strip() or None
     if host and "://" not in host:
         host = "https://" + host
     return ServiceConnection(conn_id, host, conn.password or None, dict(conn.extra_dejson or {}))
+
+
+def status_error(service: str, status: int | None, *, doing: str, what: str, detail: str) -> SandboxError | None:
+    """
+    The error a hosted service's answer ``status`` means for every such backend, or None for one
+    whose meaning is the backend's own: 401/403 the credentials (the connection's password, or
+    ``<SERVICE>_API_KEY``), 402 billing, 404 the sandbox (``what``) is gone.
+    """
+    if status in (401, 403):
+        return SandboxTerminalError(
+            f"{service} refused the credentials while {doing} ({detail}). Check the API key: the password of the "
+            f"connection, or {service.upper()}_API_KEY."
+        )
+    if status == 402:
+        return SandboxTerminalError(f"{service} refused {doing} for billing reasons ({detail}); check the account.")
+    if status == 404:
+        return SandboxTerminalError(
+            f"{service} has no {what} any more ({detail}): it was deleted, or its lifetime (sandbox_timeout) ended. "
+            "Provision a new sandbox."
+        )
+    return None
 
 
 def abandon_runaway(destroy: Callable[[str], None], handle: str, output: Any, timeout: float, *, ends: str) -> Any:

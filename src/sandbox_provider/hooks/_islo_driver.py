@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sandbox_provider.hooks._hosted import retry_after_seconds
+from sandbox_provider.hooks._hosted import retry_after_seconds, status_error
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 
 __all__ = [
@@ -115,18 +115,9 @@ def translate(err: BaseException, doing: str, handle: str | None = None, *, mayb
     exchange_failed = isinstance(err, httpx.HTTPStatusError) or (
         isinstance(err, KeyError) and "session_token" in str(err)
     )
-    if exchange_failed or status in (401, 403):
-        return SandboxTerminalError(
-            f"Islo refused the credentials while {doing} ({detail}). Check the API key: the password of the "
-            "connection, or ISLO_API_KEY."
-        )
-    if status == 402:
-        return SandboxTerminalError(f"Islo refused {doing} for billing reasons ({detail}); check the account.")
-    if status == 404:
-        return SandboxTerminalError(
-            f"Islo has no {what} any more ({detail}): it was deleted, or its lifetime (sandbox_timeout) ended. "
-            "Provision a new sandbox."
-        )
+    common = status_error("Islo", 401 if exchange_failed else status, doing=doing, what=what, detail=detail)
+    if common is not None:
+        return common
     if status == 409:
         return SandboxTerminalError(f"Islo cannot use {what} now ({detail}): it is not running.")
     if status in (400, 422):

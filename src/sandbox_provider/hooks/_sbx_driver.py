@@ -81,23 +81,10 @@ def stream(
     for thread in threads:
         thread.start()
     deadline = clock() + wall
-    open_pipes = 2
     try:
-        while open_pipes:
-            left = deadline - clock()
-            if left <= 0:
-                raise CliHung
-            try:
-                callback, data = chunks.get(timeout=min(left, 0.5))
-            except queue.Empty:
-                continue
-            if data is None:
-                open_pipes -= 1
-            else:
-                callback(data)
-        left = deadline - clock()
+        _relay(chunks, deadline, clock)
         try:
-            code = proc.wait(timeout=max(left, 0.01))
+            code = proc.wait(timeout=max(deadline - clock(), 0.01))
         except subprocess.TimeoutExpired:
             raise CliHung from None
         threads[0].join(timeout=max(deadline - clock(), 0.01))
@@ -111,6 +98,28 @@ def stream(
         for pipe in (proc.stdout, proc.stderr):
             if pipe is not None:
                 pipe.close()
+
+
+def _relay(chunks: queue.Queue, deadline: float, clock: Callable[[], float]) -> None:
+    """
+    Pass each ``(callback, data)`` the two pumps queue to its callback, in this thread, until both
+    pipes have closed (``data`` None).
+
+    :raises CliHung: when ``clock()`` reaches ``deadline`` first.
+    """
+    open_pipes = 2
+    while open_pipes:
+        left = deadline - clock()
+        if left <= 0:
+            raise CliHung
+        try:
+            callback, data = chunks.get(timeout=min(left, 0.5))
+        except queue.Empty:
+            continue
+        if data is None:
+            open_pipes -= 1
+        else:
+            callback(data)
 
 
 def run(argv: Sequence[str], *, wall: float, stdin: bytes = b"") -> CliResult:

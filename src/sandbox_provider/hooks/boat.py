@@ -42,11 +42,17 @@ from typing import IO, Any, cast
 
 from sandbox_provider.hooks import _boat_driver as driver
 from sandbox_provider.hooks._deadline_run import parse_status, replay, wrapper_command
-from sandbox_provider.hooks._hosted import abandon_runaway, call, check_service_url, discard, load_connection
+from sandbox_provider.hooks._hosted import (
+    abandon_runaway,
+    call,
+    check_conn_id,
+    check_service_url,
+    discard,
+    load_connection,
+)
 from sandbox_provider.hooks.forms.boat import FORM
-from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
-from sandbox_provider.sandbox.files import ShellFiles, file_failure
+from sandbox_provider.sandbox.files import ShellFiles, write_through_temp
 from sandbox_provider.sandbox.hook import Capabilities, OutputSink, ProvisionRequest, RunOutcome, SandboxHook
 from sandbox_provider.sandbox.network import NetworkReach
 from sandbox_provider.sandbox.spec import SandboxSpec, check_byte_count, check_path
@@ -128,9 +134,7 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if not isinstance(boat_conn_id, str) or not boat_conn_id.strip():
-            raise ValueError(f"boat_conn_id must be a connection id, got {boat_conn_id!r}.")
-        self.boat_conn_id = boat_conn_id
+        self.boat_conn_id = check_conn_id(boat_conn_id, "boat_conn_id")
         self._args = self.settings.check_args(
             {
                 "machine_type": machine_type,
@@ -366,45 +370,38 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
             return super().import_file(handle, path, cast(IO[bytes], _Rejoined(refused.first, source)))
 
     def _import_native(self, handle: str, path: str, target: str, source: IO[bytes]) -> int:
-        started = self._shell(handle, guest.shell_command("write.sh", "start", target), max_output_bytes=4096)
-        if not started.ok or not started.stdout.strip():
-            raise file_failure(started, path, "writing")
-        temp = posixpath.normpath(posixpath.join(self.workdir, started.stdout.strip().splitlines()[-1]))
+        def start() -> str:
+            return posixpath.normpath(posixpath.join(self.workdir, self._temp_sibling(handle, target, path)))
+
+        return write_through_temp(
+            start=start,
+            fill=lambda temp: self._fill_native(handle, path, temp, source),
+            commit=lambda temp: self._write_step(handle, path, "commit", temp, target),
+            abort=lambda temp: self._abort_temps(handle, temp, temp + ".part"),
+        )
+
+    def _fill_native(self, handle: str, path: str, temp: str, source: IO[bytes]) -> int:
+        """Write ``source`` into ``temp``: the first piece directly, each later one to a part appended to it."""
         part = temp + ".part"
         total = 0
-        try:
-            first = True
-            while True:
-                chunk = source.read(WRITE_CHUNK)
-                if not chunk and not first:
-                    break
-                try:
-                    self._write_native(handle, temp if first else part, chunk, path)
-                except _PathRefused as refused:
-                    if not first:
-                        raise SandboxError(f"Boat refused a piece of {path!r} ({refused}).") from refused
-                    refused.first = chunk
-                    raise
-                if not first:
-                    joined = self._shell(
-                        handle, guest.shell_command("write.sh", "concat", temp, part), max_output_bytes=4096
-                    )
-                    if not joined.ok:
-                        raise file_failure(joined, path, "writing")
-                total += len(chunk)
-                first = False
-                if not chunk:
-                    break
-            done = self._shell(handle, guest.shell_command("write.sh", "commit", temp, target), max_output_bytes=4096)
-            if not done.ok:
-                raise file_failure(done, path, "writing")
-        except BaseException:
+        first = True
+        while True:
+            chunk = source.read(WRITE_CHUNK)
+            if not chunk and not first:
+                break
             try:
-                self._shell(handle, guest.shell_command("write.sh", "abort", temp), max_output_bytes=4096)
-                self._shell(handle, guest.shell_command("write.sh", "abort", part), max_output_bytes=4096)
-            except Exception:  # the first failure is the one to report
-                pass
-            raise
+                self._write_native(handle, temp if first else part, chunk, path)
+            except _PathRefused as refused:
+                if not first:
+                    raise SandboxError(f"Boat refused a piece of {path!r} ({refused}).") from refused
+                refused.first = chunk
+                raise
+            if not first:
+                self._write_step(handle, path, "concat", temp, part)
+            total += len(chunk)
+            first = False
+            if not chunk:
+                break
         return total
 
     def _write_native(self, handle: str, target: str, chunk: bytes, path: str) -> None:

@@ -34,11 +34,24 @@ from typing import IO, Any
 
 from sandbox_provider.hooks import _islo_driver as driver
 from sandbox_provider.hooks._deadline_run import parse_status, replay, wrapper_argv
-from sandbox_provider.hooks._hosted import abandon_runaway, call, check_service_url, discard, load_connection
+from sandbox_provider.hooks._hosted import (
+    abandon_runaway,
+    call,
+    check_conn_id,
+    check_service_url,
+    discard,
+    load_connection,
+)
 from sandbox_provider.hooks.forms.islo import FORM
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
-from sandbox_provider.sandbox.files import ShellFiles, check_export_size, checked_size, file_failure
+from sandbox_provider.sandbox.files import (
+    CountingReader,
+    ShellFiles,
+    check_export_size,
+    checked_size,
+    write_through_temp,
+)
 from sandbox_provider.sandbox.hook import Capabilities, OutputSink, ProvisionRequest, RunOutcome, SandboxHook
 from sandbox_provider.sandbox.network import NetworkReach
 from sandbox_provider.sandbox.spec import DEFAULT_WORKDIR, SandboxSpec, check_byte_count, check_path, check_workdir
@@ -128,9 +141,7 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if not isinstance(islo_conn_id, str) or not islo_conn_id.strip():
-            raise ValueError(f"islo_conn_id must be a connection id, got {islo_conn_id!r}.")
-        self.islo_conn_id = islo_conn_id
+        self.islo_conn_id = check_conn_id(islo_conn_id, "islo_conn_id")
         self._args = self.settings.check_args(
             {
                 "image": image,
@@ -452,12 +463,9 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
         """
         handle = self.check_handle(handle)
         check_path(path)
-        started = self._shell(handle, guest.shell_command("write.sh", "start", path), max_output_bytes=64 * 1024)
-        if not started.ok or not started.stdout.strip():
-            raise file_failure(started, path, "writing")
-        temp = started.stdout.strip().splitlines()[-1]
-        counted = _Counting(source)
-        try:
+        counted = CountingReader(source)
+
+        def upload(temp: str) -> int:
             try:
                 self._client().sandboxes.upload_file(
                     handle,
@@ -467,29 +475,14 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
                 )
             except Exception as err:
                 raise driver.translate(err, f"writing {path!r}", handle) from err
-            done = self._shell(handle, guest.shell_command("write.sh", "commit", temp, path), max_output_bytes=4096)
-            if not done.ok:
-                raise file_failure(done, path, "writing")
-        except BaseException:
-            try:
-                self._shell(handle, guest.shell_command("write.sh", "abort", temp), max_output_bytes=4096)
-            except Exception:  # the first failure is the one to report
-                pass
-            raise
-        return counted.total
+            return counted.total
 
-
-class _Counting:
-    """A read-only binary stream that counts the bytes read through it."""
-
-    def __init__(self, source: IO[bytes]) -> None:
-        self._source = source
-        self.total = 0
-
-    def read(self, size: int = -1) -> bytes:
-        data = self._source.read(size)
-        self.total += len(data)
-        return data
+        return write_through_temp(
+            start=lambda: self._temp_sibling(handle, path, path),
+            fill=upload,
+            commit=lambda temp: self._write_step(handle, path, "commit", temp, path),
+            abort=lambda temp: self._abort_temps(handle, temp),
+        )
 
 
 #: The hook under the name the public guide uses.

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import logging
-import math
 import posixpath
 import re
 import sys
@@ -30,7 +29,7 @@ from sandbox_provider.hooks._modal_driver import MAX_BACKOFF  # noqa: F401 - par
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.attach import Attachable
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
-from sandbox_provider.sandbox.files import check_export_size, file_status_error, reported_size
+from sandbox_provider.sandbox.files import check_export_size, reported_size
 from sandbox_provider.sandbox.hook import (
     FILE_OP_TIMEOUT,
     STREAM_CHUNK_BYTES,
@@ -40,7 +39,6 @@ from sandbox_provider.sandbox.hook import (
     RunOutcome,
     SandboxHook,
 )
-from sandbox_provider.sandbox.network import NetworkReach
 from sandbox_provider.sandbox.output import StreamDrain, TailBuffer
 from sandbox_provider.sandbox.spec import (
     DEFAULT_WORKDIR,
@@ -68,7 +66,6 @@ DEFAULT_SANDBOX_TIMEOUT = 3600
 MAX_SANDBOX_TIMEOUT = 24 * 3600
 #: A shorter lifetime would not fit one file operation.
 MIN_SANDBOX_TIMEOUT = int(FILE_OP_TIMEOUT)
-EGRESS_ENFORCEMENTS = ("strict", "sni")
 
 
 #: Seconds allowed for provisioning, retries of transient API errors included.
@@ -131,23 +128,7 @@ class ModalSandboxHook(Attachable, SandboxHook):
         egress_hosts=True,
         egress_cidrs=True,
         max_command_seconds=MAX_SANDBOX_TIMEOUT,
-        network=NetworkReach(
-            blocked="has no network access at all, not even DNS",
-            open=(
-                "has outbound network access on any port, DNS included, except to Modal's metadata endpoint and "
-                "private address ranges"
-            ),
-            hosts=(
-                "only HTTPS (TLS) on port 443 reaches them, matched by the server name in the TLS handshake, so plain "
-                "HTTP and every other port fail or hang; DNS answers for every name, and a site served from the same "
-                "TLS endpoint as a listed host can be reached too"
-            ),
-            cidrs=(
-                "any port and protocol reaches addresses in them; DNS answers for every name, but only addresses in "
-                "these ranges can be reached"
-            ),
-            both="Port 443 also reaches any address whose TLS server name is one of the listed hosts.",
-        ),
+        network=driver.NETWORK_REACH,
     )
     handle_pattern = re.compile(r"sb-[A-Za-z0-9_-]{1,128}")
     handle_shape = "a Modal sandbox id: those start with 'sb-'"
@@ -173,16 +154,10 @@ class ModalSandboxHook(Attachable, SandboxHook):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if modal_conn_id is not None and (not isinstance(modal_conn_id, str) or not modal_conn_id.strip()):
-            raise ValueError(f"modal_conn_id must be a connection id or None, got {modal_conn_id!r}.")
-        self.modal_conn_id = modal_conn_id
+        self.modal_conn_id = driver.check_conn_id(modal_conn_id)
         self.image = driver.check_image(image)
-        if not isinstance(app_name, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", app_name):
-            raise ValueError(f"app_name must be 1 to 64 letters, digits, '.', '_' or '-', got {app_name!r}.")
-        self.app_name = app_name
-        if not isinstance(create_app_if_missing, bool):
-            raise ValueError(f"create_app_if_missing must be True or False, got {create_app_if_missing!r}.")
-        self.create_app_if_missing = create_app_if_missing
+        self.app_name = driver.check_app_name(app_name)
+        self.create_app_if_missing = driver.check_flag(create_app_if_missing, "create_app_if_missing")
         self.sandbox_timeout = driver.whole_seconds(
             sandbox_timeout, "sandbox_timeout", low=MIN_SANDBOX_TIMEOUT, high=MAX_SANDBOX_TIMEOUT
         )
@@ -193,19 +168,12 @@ class ModalSandboxHook(Attachable, SandboxHook):
         )
         self.workdir = check_workdir(workdir)
         self.cpu = check_positive(cpu, "cpu", allow_none=True)
-        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0):
-            raise ValueError(f"memory must be a positive whole number of MiB, got {memory!r}.")
-        self.memory = memory
+        self.memory = driver.check_memory(memory)
         self.gpu = driver.check_optional_text(gpu, "gpu")
         self.region = driver.check_region(region)
         self.cloud = driver.check_optional_text(cloud, "cloud")
         self.tags = driver.check_user_tags(tags)
-        if egress_enforcement not in EGRESS_ENFORCEMENTS:
-            raise ValueError(
-                f"egress_enforcement must be 'strict' or 'sni', got {egress_enforcement!r}. 'sni' accepts "
-                "hostname allowlists that Modal checks only against the TLS server name."
-            )
-        self.egress_enforcement = egress_enforcement
+        self.egress_enforcement = driver.check_egress_enforcement(egress_enforcement)
         # Deadlines read these; tests swap them for a scripted clock.
         self._monotonic: Callable[[], float] = time.monotonic
         self._sleep: Callable[[float], None] = time.sleep
@@ -274,30 +242,7 @@ class ModalSandboxHook(Attachable, SandboxHook):
 
     def _network_kwargs(self, spec: SandboxSpec) -> dict[str, Any]:
         """Return the network keywords for ``Sandbox.create``, or refuse what Modal cannot enforce."""
-        if not spec.block_network:
-            return {}
-        if not spec.has_allowlist:
-            return {"block_network": True}
-        kwargs: dict[str, Any] = {}
-        if spec.allow_egress_to:
-            if self.egress_enforcement != "sni":
-                raise SandboxTerminalError(
-                    "SandboxSpec.allow_egress_to names hostnames, and Modal can enforce a hostname list only by "
-                    "matching the server name in the TLS handshake: TLS on port 443 reaches the listed hosts, but "
-                    "DNS stays open for every name and any host behind the same TLS endpoint as a listed one is "
-                    "reachable too. To accept that, pass ModalSandboxHook(egress_enforcement='sni'). Otherwise use "
-                    "allow_egress_to_cidrs for destinations with fixed addresses (enforced per address), or a "
-                    "bare SandboxSpec() with no allowlist, which blocks everything including DNS."
-                )
-            kwargs["outbound_domain_allowlist"] = driver.domain_allowlist(spec.allow_egress_to)
-        if spec.allow_egress_to_cidrs:
-            kwargs["outbound_cidr_allowlist"] = driver.cidr_allowlist(spec.allow_egress_to_cidrs)
-        if "outbound_domain_allowlist" in kwargs and "outbound_cidr_allowlist" in kwargs:
-            log.warning(
-                "Both allowlists are set: port 443 is open to any address whose TLS server name is on the "
-                "hostname list, in addition to the listed address ranges."
-            )
-        return kwargs
+        return driver.network_kwargs(spec, self.egress_enforcement)
 
     def _refusal(self, spec: SandboxSpec) -> str | None:
         try:
@@ -339,17 +284,16 @@ class ModalSandboxHook(Attachable, SandboxHook):
             "workdir": self.workdir,
             "client": client,
             **network,
+            **driver.present(
+                idle_timeout=self.idle_timeout,
+                env=dict(spec.env) if spec.env else None,
+                cpu=self.cpu,
+                memory=self.memory,
+                gpu=self.gpu,
+                region=list(self.region) if isinstance(self.region, tuple) else self.region,
+                cloud=self.cloud,
+            ),
         }
-        optional = {
-            "idle_timeout": self.idle_timeout,
-            "env": dict(spec.env) if spec.env else None,
-            "cpu": self.cpu,
-            "memory": self.memory,
-            "gpu": self.gpu,
-            "region": list(self.region) if isinstance(self.region, tuple) else self.region,
-            "cloud": self.cloud,
-        }
-        kwargs.update({key: value for key, value in optional.items() if value is not None})
 
         def already_made(err: BaseException) -> Any:
             # A retried create whose first attempt reached Modal finds the name taken: that one is ours.
@@ -426,19 +370,11 @@ class ModalSandboxHook(Attachable, SandboxHook):
 
     def _deadline_for(self, handle: str, tracked: _Tracked, timeout: float) -> tuple[int, bool]:
         """Return the whole seconds to give a command and whether they were cut to the remaining lifetime."""
-        seconds = max(1, math.ceil(timeout))  # Modal reads 0 as "no deadline"
-        remaining = self._remaining(tracked)
-        if remaining is None:
-            return seconds, False
-        if remaining < 1:
+        try:
+            return driver.deadline_seconds(timeout, self._remaining(tracked), handle)
+        except SandboxTerminalError:
             self._tracked.pop(handle, None)
-            raise SandboxTerminalError(
-                f"Sandbox {handle!r} has reached the end of its lifetime (sandbox_timeout); Modal has ended it "
-                "or is about to. Provision a new sandbox, with a longer sandbox_timeout if the work needs it."
-            )
-        if seconds >= math.floor(remaining):  # the deadline reaches the end of the sandbox's life
-            return max(1, math.floor(remaining)), True
-        return seconds, False
+            raise
 
     def _exec(self, tracked: _Tracked, handle: str, script: str, seconds: int, action: str) -> Any:
         return self._call(
@@ -468,25 +404,14 @@ class ModalSandboxHook(Attachable, SandboxHook):
         for reader in (stdout, stderr):
             reader.join(seconds + STREAM_GRACE)
         stuck = stdout.is_alive() or stderr.is_alive()
-        elapsed = self._monotonic() - started
-        exc = sys.modules["modal"].exception
-        if died is None:
-            died = stdout.error or stderr.error
-        terminated = False
-        timed_out = False
-        if died is not None:
-            if isinstance(died, exc.ExecTimeoutError):
-                timed_out = True
-            elif isinstance(died, (exc.SandboxTerminatedError, exc.SandboxTimeoutError, exc.NotFoundError)):
-                terminated = True
-            elif isinstance(died, exc.Error):
-                terminated = self._has_ended(handle)
-                if not terminated:
-                    raise self._translate(died, "running a command", handle) from died
-            else:
-                raise died
-        elif exit_code == -1 or (exit_code == 137 and elapsed >= seconds):
-            timed_out = True
+        timed_out, terminated = driver.classify_run(
+            died or stdout.error or stderr.error,
+            exit_code,
+            elapsed=self._monotonic() - started,
+            seconds=seconds,
+            ended=lambda: self._has_ended(handle),
+            translate=lambda err: self._translate(err, "running a command", handle),
+        )
         if not terminated and (timed_out or exit_code >= 128):
             terminated = (timed_out and clamped) or self._has_ended(handle)
         if terminated:
@@ -535,23 +460,22 @@ class ModalSandboxHook(Attachable, SandboxHook):
         except exc.Error as err:
             raise self._translate(err, f"{verb} {path!r}", handle) from err
         errors.join(STREAM_GRACE)
-        size = reported_size(tail.text(whole_lines=True))
-        if code == guest.TOO_LARGE_STATUS:
-            raise SandboxFileTooLargeError(path, size or max_bytes + 1, max_bytes)
-        known = file_status_error(code, path)
-        if known is not None:
-            raise known
-        if code == -1:
-            raise SandboxError(f"Timed out after {seconds}s while {verb} {path!r}.")
-        if code != 0:
-            if self._has_ended(handle):
-                self._tracked.pop(handle, None)
-                raise SandboxTerminalError(f"Sandbox {handle!r} ended while {verb} {path!r}.")
-            detail = tail.text(whole_lines=True).strip().splitlines()[-1:] or [f"exit status {code}"]
-            raise SandboxError(f"Could not finish {verb} {path!r}: {detail[0]}")
-        if size is None:
-            raise SandboxError(f"The sandbox did not report the size of {path!r}.")
-        return size, copied
+        stderr = tail.text(whole_lines=True)
+        error = driver.file_copy_error(
+            code,
+            stderr,
+            handle=handle,
+            path=path,
+            verb=verb,
+            seconds=seconds,
+            max_bytes=int(max_bytes),
+            ended=lambda: self._has_ended(handle),
+        )
+        if isinstance(error, SandboxTerminalError):
+            self._tracked.pop(handle, None)
+        if error is not None:
+            raise error
+        return int(reported_size(stderr) or 0), copied
 
     def read_file(self, handle: str, path: str, *, max_bytes: int) -> bytes:
         """
@@ -607,17 +531,8 @@ class ModalSandboxHook(Attachable, SandboxHook):
         """
         tracked = self._lookup(handle)
         target = self._abs(tracked, path)
-        total = 0
         with tempfile.NamedTemporaryFile(prefix="airflow-sandbox-upload-") as spool:
-            while True:
-                chunk = source.read(STREAM_CHUNK_BYTES)
-                if not chunk:
-                    break
-                if isinstance(chunk, str):
-                    chunk = chunk.encode()
-                spool.write(chunk)
-                total += len(chunk)
-            spool.flush()
+            total = driver.spool(source, spool, STREAM_CHUNK_BYTES)
             self._call(
                 f"writing {path!r}",
                 lambda: tracked.sandbox.filesystem.copy_from_local(spool.name, target),
@@ -636,11 +551,7 @@ class ModalSandboxHook(Attachable, SandboxHook):
         tracked = self._lookup(handle)
         target = self._abs(tracked, path)
         entries = self._call(f"listing {path!r}", lambda: tracked.sandbox.filesystem.list_files(target), handle=handle)
-        listed = []
-        for entry in entries:
-            kind = getattr(entry.type, "value", entry.type)
-            listed.append((entry.name, kind == "directory"))
-        return sorted(listed)
+        return driver.listing(entries)
 
     # -- tags and teardown -----------------------------------------------------------------------------
 

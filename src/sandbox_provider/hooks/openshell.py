@@ -36,10 +36,17 @@ from dataclasses import dataclass
 from typing import IO, Any, ClassVar
 
 from sandbox_provider.hooks import _openshell_driver as driver
+from sandbox_provider.hooks._hosted import check_conn_id, find_connection, resolve_settings
 from sandbox_provider.hooks.forms.openshell import FORM
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
-from sandbox_provider.sandbox.files import ShellFiles, check_export_size, checked_size
+from sandbox_provider.sandbox.files import (
+    ShellFiles,
+    check_export_size,
+    checked_size,
+    write_step_error,
+    write_through_temp,
+)
 from sandbox_provider.sandbox.hook import (
     FILE_OP_TIMEOUT,
     Capabilities,
@@ -149,9 +156,7 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if not isinstance(openshell_conn_id, str) or not openshell_conn_id.strip():
-            raise ValueError(f"openshell_conn_id must be a connection id, got {openshell_conn_id!r}.")
-        self.openshell_conn_id = openshell_conn_id
+        self.openshell_conn_id = check_conn_id(openshell_conn_id, "openshell_conn_id")
         self._args = self.settings.check_args(
             {
                 "gateway": gateway,
@@ -176,26 +181,13 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
     def _resolved(self) -> dict[str, Any]:
         if self._settings_obj is not None:
             return self._settings_obj
-        from airflow.exceptions import AirflowNotFoundException
-
         fields: dict[str, Any] = {"host": None, "port": None, "password": None}
         extra: dict[str, Any] = {}
-        try:
-            conn = self.get_connection(self.openshell_conn_id)
-        except AirflowNotFoundException:
-            if self.openshell_conn_id != self.default_conn_name:
-                raise SandboxTerminalError(
-                    f"The Airflow connection {self.openshell_conn_id!r} does not exist. Define it with type "
-                    "sandbox_openshell, or leave openshell_conn_id unset to use the gateway registered with the "
-                    "openshell CLI."
-                ) from None
-        else:
+        conn = find_connection(self, self.openshell_conn_id, fallback="the gateway registered with the openshell CLI")
+        if conn is not None:
             fields = {"host": conn.host or None, "port": conn.port or None, "password": conn.password or None}
             extra = dict(conn.extra_dejson or {})
-        try:
-            settings = self.settings.resolve(self._args, extra, conn_id=self.openshell_conn_id)
-        except ValueError as err:
-            raise SandboxTerminalError(f"{err} Fix the extra or pass the setting to the hook.") from None
+        settings = resolve_settings(self.settings, self._args, extra, self.openshell_conn_id)
         settings.update(fields)
         self._settings_obj = settings
         return settings
@@ -598,34 +590,41 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
         handle = self.check_handle(handle)
         check_path(path)
         write = guest.program("write.sh")
-        out = bytearray()
+        what = f"writing {path!r}"
         self._verify_policy(handle, f"before writing {path!r}")
-        code, err = self._file_exec(
-            handle, ["/bin/sh", "-c", write, "write.sh", "start", path], what=f"writing {path!r}", on_stdout=out.extend
-        )
-        if code != 0 or not out.strip():
-            raise SandboxError(f"Could not write {path!r}: {(err.strip().splitlines() or ['no temporary file'])[-1]}")
-        temp = out.decode().strip().splitlines()[-1]
-        total = 0
-        try:
+
+        def start() -> str:
+            out = bytearray()
+            code, err = self._file_exec(
+                handle, ["/bin/sh", "-c", write, "write.sh", "start", path], what=what, on_stdout=out.extend
+            )
+            if code != 0 or not out.strip():
+                raise write_step_error(path, err, "no temporary file")
+            return out.decode().strip().splitlines()[-1]
+
+        def fill(temp: str) -> int:
+            total = 0
             while chunk := source.read(WRITE_CHUNK_BYTES):
                 append = ["/bin/sh", "-c", 'cat >> "$1"', "append", temp]
-                code, err = self._file_exec(handle, append, what=f"writing {path!r}", stdin=chunk)
+                code, err = self._file_exec(handle, append, what=what, stdin=chunk)
                 if code != 0:
-                    raise SandboxError(
-                        f"Could not write {path!r}: {(err.strip().splitlines() or ['append failed'])[-1]}"
-                    )
+                    raise write_step_error(path, err, "append failed")
                 total += len(chunk)
-            commit = ["/bin/sh", "-c", write, "write.sh", "commit", temp, path]
-            code, err = self._file_exec(handle, commit, what=f"writing {path!r}")
+            return total
+
+        def commit(temp: str) -> None:
+            code, err = self._file_exec(handle, ["/bin/sh", "-c", write, "write.sh", "commit", temp, path], what=what)
             if code != 0:
-                raise SandboxError(f"Could not write {path!r}: {(err.strip().splitlines() or ['rename failed'])[-1]}")
-        except BaseException:
-            try:
-                self._file_exec(handle, ["/bin/sh", "-c", write, "write.sh", "abort", temp], what="cleaning up")
-            except Exception:  # the first failure is the one to report
-                pass
-            raise
+                raise write_step_error(path, err, "rename failed")
+
+        total = write_through_temp(
+            start=start,
+            fill=fill,
+            commit=commit,
+            abort=lambda temp: self._file_exec(
+                handle, ["/bin/sh", "-c", write, "write.sh", "abort", temp], what="cleaning up"
+            ),
+        )
         self._verify_policy(handle, f"after writing {path!r}")
         return total
 

@@ -40,10 +40,19 @@ from dataclasses import dataclass
 from typing import IO, Any, ClassVar
 
 from sandbox_provider.hooks import _sbx_driver as driver
+from sandbox_provider.hooks._hosted import check_conn_id, find_connection, resolve_settings
 from sandbox_provider.hooks.forms.sbx import FORM
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
-from sandbox_provider.sandbox.files import ShellFiles, check_export_size, checked_size, reported_size
+from sandbox_provider.sandbox.files import (
+    CountingReader,
+    ShellFiles,
+    check_export_size,
+    checked_size,
+    reported_size,
+    write_step_error,
+    write_through_temp,
+)
 from sandbox_provider.sandbox.hook import (
     FILE_OP_TIMEOUT,
     Capabilities,
@@ -148,9 +157,7 @@ class SbxSandboxHook(ShellFiles, SandboxHook):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if not isinstance(sbx_conn_id, str) or not sbx_conn_id.strip():
-            raise ValueError(f"sbx_conn_id must be a connection id, got {sbx_conn_id!r}.")
-        self.sbx_conn_id = sbx_conn_id
+        self.sbx_conn_id = check_conn_id(sbx_conn_id, "sbx_conn_id")
         self._args = self.settings.check_args(
             {
                 "image": image,
@@ -174,21 +181,9 @@ class SbxSandboxHook(ShellFiles, SandboxHook):
         with self._lock:
             if self._settings_obj is not None:
                 return self._settings_obj
-            from airflow.exceptions import AirflowNotFoundException
-
-            extra: dict[str, Any] = {}
-            try:
-                extra = dict(self.get_connection(self.sbx_conn_id).extra_dejson or {})
-            except AirflowNotFoundException:
-                if self.sbx_conn_id != self.default_conn_name:
-                    raise SandboxTerminalError(
-                        f"The Airflow connection {self.sbx_conn_id!r} does not exist. Define it with type sandbox_sbx, "
-                        "or leave sbx_conn_id unset to use the hook's arguments and defaults."
-                    ) from None
-            try:
-                settings = self.settings.resolve(self._args, extra, conn_id=self.sbx_conn_id)
-            except ValueError as err:
-                raise SandboxTerminalError(f"{err} Fix the extra or pass the setting to the hook.") from None
+            conn = find_connection(self, self.sbx_conn_id, fallback="the hook's arguments and defaults")
+            extra = dict(conn.extra_dejson or {}) if conn is not None else {}
+            settings = resolve_settings(self.settings, self._args, extra, self.sbx_conn_id)
             self._settings_obj = settings
             return settings
 
@@ -466,47 +461,42 @@ class SbxSandboxHook(ShellFiles, SandboxHook):
         check_path(path)
         write = guest.program("write.sh")
         what = f"writing {path!r}"
-        out = bytearray()
-        code, err = self._file_exec(
-            handle, ["sh", "-c", write, "write.sh", "start", path], what=what, on_stdout=out.extend
-        )
-        if code != 0 or not out.strip():
-            raise SandboxError(f"Could not write {path!r}: {(err.strip().splitlines() or ['no temporary file'])[-1]}")
-        temp = out.decode().strip().splitlines()[-1]
-        counted = _Counting(source)
-        try:
+        counted = CountingReader(source)
+
+        def start() -> str:
+            out = bytearray()
+            code, err = self._file_exec(
+                handle, ["sh", "-c", write, "write.sh", "start", path], what=what, on_stdout=out.extend
+            )
+            if code != 0 or not out.strip():
+                raise write_step_error(path, err, "no temporary file")
+            return out.decode().strip().splitlines()[-1]
+
+        def fill(temp: str) -> int:
             code, err = self._file_exec(handle, ["sh", "-c", 'cat > "$1"', "append", temp], what=what, stdin=counted)
             if code != 0:
-                raise SandboxError(f"Could not write {path!r}: {(err.strip().splitlines() or ['copy failed'])[-1]}")
+                raise write_step_error(path, err, "copy failed")
             check = ["sh", "-c", guest.program("file.sh"), "file.sh", temp, "-", "check"]
             code, err = self._file_exec(handle, check, what=what)
             if code != 0 or reported_size(err) != counted.total:
                 raise SandboxError(
                     f"Could not write {path!r}: the sandbox holds {reported_size(err)} of the {counted.total} bytes sent."
                 )
+            return counted.total
+
+        def commit(temp: str) -> None:
             code, err = self._file_exec(handle, ["sh", "-c", write, "write.sh", "commit", temp, path], what=what)
             if code != 0:
-                raise SandboxError(f"Could not write {path!r}: {(err.strip().splitlines() or ['rename failed'])[-1]}")
-        except BaseException:
-            try:
-                self._file_exec(handle, ["sh", "-c", write, "write.sh", "abort", temp], what="cleaning up")
-            except Exception:  # the first failure is the one to report
-                pass
-            raise
-        return counted.total
+                raise write_step_error(path, err, "rename failed")
 
-
-class _Counting:
-    """A binary source that counts the bytes read from it."""
-
-    def __init__(self, source: IO[bytes]) -> None:
-        self.source = source
-        self.total = 0
-
-    def read(self, size: int = -1) -> bytes:
-        data = self.source.read(size)
-        self.total += len(data or b"")
-        return data or b""
+        return write_through_temp(
+            start=start,
+            fill=fill,
+            commit=commit,
+            abort=lambda temp: self._file_exec(
+                handle, ["sh", "-c", write, "write.sh", "abort", temp], what="cleaning up"
+            ),
+        )
 
 
 def _in_workdir(workdir: str, argv: list[str]) -> list[str]:

@@ -11,7 +11,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 
 from sandbox_provider.hooks import get_sandbox_hook
 from sandbox_provider.sandbox.hook import SandboxHook
-from sandbox_provider.sandbox.options import SessionOptions
+from sandbox_provider.sandbox.options import SessionOptions, check_attachable
 from sandbox_provider.sandbox.output import LineLog, mask_stream, tail_text
 from sandbox_provider.sandbox.session import SandboxSession
 from sandbox_provider.sandbox.spec import (
@@ -53,6 +53,25 @@ def _check_exit_codes(value: Any) -> frozenset[int]:
             f"skip_on_exit_code holds {bad!r}; give exit statuses from 1 to 255 (0 is success, which never skips)."
         )
     return frozenset(codes)
+
+
+def _check_command_and_backend(command: Any, backend: Any, attach_to: Any, keep_sandbox: Any) -> None:
+    """:raises ValueError: for a command or backend the operator cannot use, saying what to give instead."""
+    if command is None:
+        if keep_sandbox is not True:
+            raise ValueError(
+                "command is required; it may be None only with keep_sandbox=True, to provision a sandbox "
+                "for later tasks without running anything."
+            )
+    elif not isinstance(command, str) or not command.strip():
+        raise ValueError(f"command must be a non-empty shell command, got {command!r}.")
+    if not (backend is None or isinstance(backend, SandboxHook) or (isinstance(backend, str) and backend.strip())):
+        raise ValueError(
+            "backend must be a sandbox hook, the id of a sandbox connection, or None for the local "
+            f"backend; got {backend!r}."
+        )
+    if isinstance(backend, SandboxHook) and attach_to is not None:
+        check_attachable(backend)
 
 
 class SandboxOperator(BaseOperator):
@@ -136,25 +155,7 @@ class SandboxOperator(BaseOperator):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if command is None:
-            if keep_sandbox is not True:
-                raise ValueError(
-                    "command is required; it may be None only with keep_sandbox=True, to provision a sandbox "
-                    "for later tasks without running anything."
-                )
-        elif not isinstance(command, str) or not command.strip():
-            raise ValueError(f"command must be a non-empty shell command, got {command!r}.")
-        if not (backend is None or isinstance(backend, SandboxHook) or (isinstance(backend, str) and backend.strip())):
-            raise ValueError(
-                "backend must be a sandbox hook, the id of a sandbox connection, or None for the local "
-                f"backend; got {backend!r}."
-            )
-        if isinstance(backend, SandboxHook) and attach_to is not None and not backend.attachable:
-            raise ValueError(
-                f"attach_to needs a backend that can find a sandbox from another task, and {backend.name!r} "
-                "cannot. Drop attach_to to provision a sandbox here, or use an attachable backend such as "
-                "the local one."
-            )
+        _check_command_and_backend(command, backend, attach_to, keep_sandbox)
         self._options = SessionOptions(
             spec=spec,
             attach_to=attach_to,
@@ -171,23 +172,35 @@ class SandboxOperator(BaseOperator):
         check_positive(timeout, "timeout")
         check_byte_count(max_output_bytes, "max_output_bytes")
         check_byte_count(max_export_bytes, "max_export_bytes")
+        self._keep_arguments(command, backend, spec, timeout, max_output_bytes, max_export_bytes)
+        self.skip_on_exit_code = _check_exit_codes(skip_on_exit_code)
+        self._session: SandboxSession | None = None
 
+    def _keep_arguments(
+        self,
+        command: str | None,
+        backend: SandboxHook | str | None,
+        spec: SandboxSpec | None,
+        timeout: float,
+        max_output_bytes: int,
+        max_export_bytes: int,
+    ) -> None:
+        """Keep the checked arguments as the operator's attributes (the templated ones included)."""
+        options = self._options
         self.command = command
         self.backend = backend
         self.spec = spec
-        self.files = self._options.files
-        self.inputs = self._options.inputs
-        self.exports = self._options.exports
-        self.input_conn_id = input_conn_id
-        self.export_conn_id = export_conn_id
+        self.files = options.files
+        self.inputs = options.inputs
+        self.exports = options.exports
+        self.input_conn_id = options.input_conn_id
+        self.export_conn_id = options.export_conn_id
         self.timeout = float(timeout)
         self.max_output_bytes = int(max_output_bytes)
         self.max_export_bytes = int(max_export_bytes)
-        self.skip_on_exit_code = _check_exit_codes(skip_on_exit_code)
-        self.attach_to = attach_to
-        self.sandbox_owner = sandbox_owner
-        self.keep_sandbox = keep_sandbox
-        self._session: SandboxSession | None = None
+        self.attach_to = options.attach_to
+        self.sandbox_owner = options.sandbox_owner
+        self.keep_sandbox = options.keep
 
     # -- what a subclass may change ----------------------------------------------------------------------
 

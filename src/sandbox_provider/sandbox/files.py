@@ -25,6 +25,7 @@ from sandbox_provider.sandbox.spec import SandboxExecResult, check_byte_count, c
 
 __all__ = [
     "LIST_OUTPUT_BYTES",
+    "CountingReader",
     "ShellFiles",
     "StreamFiles",
     "check_export_size",
@@ -32,6 +33,8 @@ __all__ = [
     "file_status_error",
     "parse_listing",
     "reported_size",
+    "write_step_error",
+    "write_through_temp",
 ]
 
 #: Raw bytes moved per shell command when exporting.
@@ -117,6 +120,50 @@ def parse_listing(path: str, result: SandboxExecResult) -> list[tuple[str, bool]
     return sorted(entries)
 
 
+def write_through_temp(
+    *,
+    start: Callable[[], str],
+    fill: Callable[[str], int],
+    commit: Callable[[str], object],
+    abort: Callable[[str], object],
+) -> int:
+    """
+    The rule every write keeps: ``start()`` makes a temporary sibling of the target and returns its
+    path, ``fill(temp)`` writes the bytes into it and returns how many, ``commit(temp)`` renames it
+    over the target. If anything fails (or is interrupted), ``abort(temp)`` removes the temporary
+    file and the first failure is raised, so a reader never sees half a file. Returns what ``fill`` did.
+    """
+    temp = start()
+    try:
+        total = fill(temp)
+        commit(temp)
+    except BaseException:
+        try:
+            abort(temp)
+        except Exception:  # the first failure is the one to report
+            pass
+        raise
+    return total
+
+
+def write_step_error(path: str, stderr: str, fallback: str) -> SandboxError:
+    """The error for a failed step of writing ``path``: the last line of its ``stderr``, else ``fallback``."""
+    return SandboxError(f"Could not write {path!r}: {(stderr.strip().splitlines() or [fallback])[-1]}")
+
+
+class CountingReader:
+    """A read-only binary stream over ``source`` that counts the bytes read through it (``total``)."""
+
+    def __init__(self, source: IO[bytes]) -> None:
+        self.source = source
+        self.total = 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.source.read(size) or b""
+        self.total += len(data)
+        return data
+
+
 class ShellFiles:
     """
     Mixin: file operations over the backend's ``run_command`` and the shell guest programs.
@@ -147,32 +194,38 @@ class ShellFiles:
     def import_file(self, handle: str, path: str, source: IO[bytes]) -> int:
         """Stream ``source`` into ``path`` through a temporary sibling renamed into place; return the bytes."""
         check_path(path)
-        started = self._shell(handle, guest.shell_command("write.sh", "start", path), max_output_bytes=64 * 1024)
+
+        def fill(temp: str) -> int:
+            total = 0
+            while chunk := source.read(SHELL_WRITE_CHUNK_BYTES):
+                self._write_step(handle, path, "append", temp, base64.b64encode(chunk).decode())
+                total += len(chunk)
+            return total
+
+        return write_through_temp(
+            start=lambda: self._temp_sibling(handle, path, path),
+            fill=fill,
+            commit=lambda temp: self._write_step(handle, path, "commit", temp, path),
+            abort=lambda temp: self._abort_temps(handle, temp),
+        )
+
+    def _temp_sibling(self, handle: str, target: str, path: str) -> str:
+        """Make a temporary sibling of ``target`` with ``write.sh start``; return its path (errors name ``path``)."""
+        started = self._shell(handle, guest.shell_command("write.sh", "start", target), max_output_bytes=64 * 1024)
         if not started.ok or not started.stdout.strip():
             raise file_failure(started, path, "writing")
-        temp = started.stdout.strip().splitlines()[-1]
-        total = 0
-        try:
-            while chunk := source.read(SHELL_WRITE_CHUNK_BYTES):
-                encoded = base64.b64encode(chunk).decode()
-                piece = self._shell(
-                    handle, guest.shell_command("write.sh", "append", temp, encoded), max_output_bytes=64 * 1024
-                )
-                if not piece.ok:
-                    raise file_failure(piece, path, "writing")
-                total += len(chunk)
-            done = self._shell(
-                handle, guest.shell_command("write.sh", "commit", temp, path), max_output_bytes=64 * 1024
-            )
-            if not done.ok:
-                raise file_failure(done, path, "writing")
-        except BaseException:
-            try:
-                self._shell(handle, guest.shell_command("write.sh", "abort", temp), max_output_bytes=4096)
-            except Exception:  # the first failure is the one to report
-                pass
-            raise
-        return total
+        return started.stdout.strip().splitlines()[-1]
+
+    def _write_step(self, handle: str, path: str, *args: object) -> None:
+        """One ``write.sh`` step (``append``, ``concat``, ``commit``) of writing ``path``."""
+        done = self._shell(handle, guest.shell_command("write.sh", *args), max_output_bytes=64 * 1024)
+        if not done.ok:
+            raise file_failure(done, path, "writing")
+
+    def _abort_temps(self, handle: str, *temps: str) -> None:
+        """Remove the temporary files of a write that failed."""
+        for temp in temps:
+            self._shell(handle, guest.shell_command("write.sh", "abort", temp), max_output_bytes=4096)
 
     def list_directory(self, handle: str, path: str = ".") -> list[tuple[str, bool]]:
         """See :meth:`SandboxHook.list_directory`."""

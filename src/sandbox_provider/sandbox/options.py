@@ -17,7 +17,7 @@ from sandbox_provider.sandbox.spec import SandboxSpec, check_byte_count, dag_run
 from sandbox_provider.sandbox.storage import duplicate_paths
 from sandbox_provider.sandbox.transfer import DEFAULT_MAX_EXPORT_BYTES, check_transfer_map
 
-__all__ = ["SessionOptions", "is_reference", "is_template"]
+__all__ = ["SessionOptions", "check_attachable", "is_reference", "is_template"]
 
 
 def is_reference(value: Any) -> bool:
@@ -38,6 +38,16 @@ def _check_conn_id(value: Any, name: str) -> str | None:
     if value is None or (isinstance(value, str) and value.strip()):
         return value
     raise ValueError(f"{name} must be the id of an Airflow connection, or None; got {value!r}.")
+
+
+def check_attachable(hook: Any) -> None:
+    """:raises ValueError: unless another task's sandbox can be attached on ``hook``'s backend (for ``attach_to``)."""
+    if not hook.attachable:
+        raise ValueError(
+            f"attach_to needs a backend that can find a sandbox from another task, and {hook.name!r} is not one. "
+            "Drop attach_to to provision a sandbox here, or use an attachable backend such as LocalSandboxHook or "
+            "ModalSandboxHook."
+        )
 
 
 @dataclass(frozen=True)
@@ -168,12 +178,7 @@ class SessionOptions:
         if clash:
             raise ValueError(clash)
         if self.attach_mode:
-            if not hook.attachable:
-                raise ValueError(
-                    f"attach_to needs a backend that can find a sandbox from another task, and {hook.name!r} "
-                    "cannot. Drop attach_to to provision a sandbox here, or use an attachable backend such as "
-                    "the local one."
-                )
+            check_attachable(hook)
         elif self.keep is True and not hook.attachable:
             raise ValueError(
                 f"keep_sandbox=True leaves the sandbox standing for a later task to attach to, and no task can attach "

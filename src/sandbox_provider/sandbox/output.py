@@ -313,19 +313,9 @@ def stream_tail(
     if trailing:
         lines, raw_lines = lines[:-1], raw_lines[:-1]
     first_whole = 0 if totals.tail_at_line_start else 1
-    newest_first, _ = head_lines(lines[first_whole:][::-1], max_lines=max_lines, max_bytes=max_bytes)
-    shown = len(newest_first)
-    partial = ""
-    if shown:
-        body = "\n".join(lines[len(lines) - shown :]) + ("\n" if trailing else "")
-        shown_bytes = sum(_utf8_len(line) for line in raw_lines[len(raw_lines) - shown :]) + shown - 1 + trailing
-    else:
-        room = max_bytes
-        if first_whole and len(lines) == 1:
-            room = min(room, _utf8_len(lines[0]) - secret_margin_bytes())
-        partial = _utf8_tail(lines[-1], room) if lines and room > 0 else ""
-        body = partial + ("\n" if partial and trailing else "")
-        shown_bytes = _utf8_len(body)
+    body, shown, partial, shown_bytes = _shown_tail(
+        lines, raw_lines, trailing=trailing, skip_first=bool(first_whole), max_lines=max_lines, max_bytes=max_bytes
+    )
     dropped_bytes = totals.bytes - shown_bytes
     dropped_lines = totals.lines - shown - (1 if partial else 0)
     if dropped_bytes <= 0 and dropped_lines <= 0:
@@ -335,18 +325,44 @@ def stream_tail(
             "[... the sandbox stopped passing this output on before the command ended; what followed is not shown]\n"
             + body
         )
+    what = _left_out(dropped_lines, dropped_bytes, partial=bool(partial), lower_bound=cut and not counted)
+    return (
+        f"[... {what} not shown; the limits are {max_lines} lines and {format_size(max_bytes)}. Send the output to a "
+        f"file and read it in parts, or filter it with grep, head or tail.]\n{body}"
+    )
+
+
+def _shown_tail(
+    lines: list[str], raw_lines: list[str], *, trailing: bool, skip_first: bool, max_lines: int, max_bytes: int
+) -> tuple[str, int, str, int]:
+    """
+    The part of a stream's masked ``lines`` a reader is shown (see :func:`stream_tail`), as
+    ``(text, whole lines shown, the partial last line or "", bytes of the stream shown)``; the bytes
+    count ``raw_lines``, the lines as written. ``skip_first``: the first line's start was dropped.
+    """
+    newest_first, _ = head_lines(lines[int(skip_first) :][::-1], max_lines=max_lines, max_bytes=max_bytes)
+    shown = len(newest_first)
+    if shown:
+        body = "\n".join(lines[len(lines) - shown :]) + ("\n" if trailing else "")
+        shown_bytes = sum(_utf8_len(line) for line in raw_lines[len(raw_lines) - shown :]) + shown - 1 + trailing
+        return body, shown, "", shown_bytes
+    room = max_bytes
+    if skip_first and len(lines) == 1:
+        room = min(room, _utf8_len(lines[0]) - secret_margin_bytes())
+    partial = _utf8_tail(lines[-1], room) if lines and room > 0 else ""
+    body = partial + ("\n" if partial and trailing else "")
+    return body, 0, partial, _utf8_len(body)
+
+
+def _left_out(dropped_lines: int, dropped_bytes: int, *, partial: bool, lower_bound: bool) -> str:
+    """Words for what a tail leaves out; ``lower_bound`` when the producer's cut was not counted."""
     if dropped_lines and partial:
         what = f"{_plural(dropped_lines, 'earlier line')} and the start of the last one ({dropped_bytes} bytes in all)"
     elif dropped_lines:
         what = f"{_plural(dropped_lines, 'earlier line')} ({_plural(dropped_bytes, 'byte')})"
     else:
         what = f"the first {_plural(dropped_bytes, 'byte')} of the last line"
-    if cut and not counted:
-        what = "at least " + what
-    return (
-        f"[... {what} not shown; the limits are {max_lines} lines and {format_size(max_bytes)}. Send the output to a "
-        f"file and read it in parts, or filter it with grep, head or tail.]\n{body}"
-    )
+    return "at least " + what if lower_bound else what
 
 
 def _signal_name(exit_code: int) -> str | None:

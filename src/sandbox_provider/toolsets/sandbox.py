@@ -23,7 +23,7 @@ from typing_extensions import TypedDict
 
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
 from sandbox_provider.sandbox.hook import SandboxHook
-from sandbox_provider.sandbox.options import SessionOptions
+from sandbox_provider.sandbox.options import SessionOptions, check_attachable
 from sandbox_provider.sandbox.output import (
     MASK_MARGIN_BYTES,
     command_output,
@@ -128,6 +128,63 @@ def lifetime_note(remaining: float | None) -> str:
     return f"About {minutes} minutes of its lifetime were left when this run began."
 
 
+def _check_naming(backend: SandboxHook, tool_prefix: Any, attach_to: Any, owner: Any) -> None:
+    """The toolset's tool prefix and attach arguments; :raises ValueError: saying what to change."""
+    if not isinstance(tool_prefix, str) or (tool_prefix and not tool_prefix.isidentifier()):
+        raise ValueError(f"tool_prefix must be a Python identifier such as 'py' or 'node_box', got {tool_prefix!r}.")
+    if attach_to is not None:
+        check_attachable(backend)
+    if attach_to is not None and (not isinstance(attach_to, str) or not attach_to.strip()):
+        raise ValueError(f"attach_to must be a sandbox handle or a template that renders to one, got {attach_to!r}.")
+    if owner is not None and attach_to is None:
+        raise ValueError("owner only applies together with attach_to; drop it, or pass attach_to.")
+
+
+def _check_limits(
+    *,
+    default_command_timeout: Any,
+    max_command_timeout: Any,
+    max_output_bytes: Any,
+    max_output_lines: Any,
+    max_read_bytes: Any,
+    max_export_bytes: Any,
+) -> None:
+    """The toolset's timeouts and byte and line limits; :raises ValueError: for a bad bound or order."""
+    check_positive(default_command_timeout, "default_command_timeout")
+    check_positive(max_command_timeout, "max_command_timeout")
+    for name, value in (
+        ("max_output_bytes", max_output_bytes),
+        ("max_read_bytes", max_read_bytes),
+        ("max_export_bytes", max_export_bytes),
+    ):
+        check_byte_count(value, name)
+    check_byte_count(max_output_lines, "max_output_lines", unit="lines")
+    if default_command_timeout > max_command_timeout:
+        raise ValueError(
+            f"default_command_timeout ({default_command_timeout}) must not exceed max_command_timeout "
+            f"({max_command_timeout}); raise max_command_timeout or lower the default."
+        )
+
+
+def _check_own_sandbox(
+    spec: SandboxSpec | None, attach_to: str | None, exports: Mapping[str, str], export_conn_id: str | None
+) -> None:
+    """What only an agent's toolset refuses: its own sandbox ends with the run. :raises ValueError:"""
+    if attach_to is not None and exports:
+        raise ValueError(
+            "exports cannot be combined with attach_to: the attached sandbox outlives this run and "
+            "belongs to the task that provisioned it, so collect its files in a later task."
+        )
+    if attach_to is None and spec is not None and spec.owner is not None:
+        raise ValueError(
+            "SandboxSpec.owner marks a sandbox for another task to attach to, but the toolset "
+            "destroys the sandbox it provisions when the run ends. Provision it in a task with "
+            "SandboxSpec(owner=...) and pass the handle as attach_to, or drop owner."
+        )
+    if export_conn_id is not None and not exports:
+        raise ValueError("export_conn_id only applies together with exports; drop it, or pass exports.")
+
+
 class SandboxToolset(AbstractToolset[Any]):
     """
     Tools that give an agent a shell and files in an isolated sandbox.
@@ -206,37 +263,15 @@ class SandboxToolset(AbstractToolset[Any]):
             raise ValueError(
                 f"backend must be a sandbox hook instance such as LocalSandboxHook(), got {type(backend).__name__}."
             )
-        check_positive(default_command_timeout, "default_command_timeout")
-        check_positive(max_command_timeout, "max_command_timeout")
-        for name, value in (
-            ("max_output_bytes", max_output_bytes),
-            ("max_read_bytes", max_read_bytes),
-            ("max_export_bytes", max_export_bytes),
-        ):
-            check_byte_count(value, name)
-        check_byte_count(max_output_lines, "max_output_lines", unit="lines")
-        if default_command_timeout > max_command_timeout:
-            raise ValueError(
-                f"default_command_timeout ({default_command_timeout}) must not exceed max_command_timeout "
-                f"({max_command_timeout}); raise max_command_timeout or lower the default."
-            )
-        if not isinstance(tool_prefix, str) or (tool_prefix and not tool_prefix.isidentifier()):
-            raise ValueError(
-                f"tool_prefix must be a Python identifier such as 'py' or 'node_box', got {tool_prefix!r}."
-            )
-        if attach_to is not None and not backend.attachable:
-            raise ValueError(
-                "attach_to needs a backend whose sandboxes another task can pick up, and "
-                f"{backend.name!r} is not one. Drop attach_to to let the toolset provision its own "
-                "sandbox, or provision on an attachable backend such as LocalSandboxHook or "
-                "ModalSandboxHook."
-            )
-        if attach_to is not None and (not isinstance(attach_to, str) or not attach_to.strip()):
-            raise ValueError(
-                f"attach_to must be a sandbox handle or a template that renders to one, got {attach_to!r}."
-            )
-        if owner is not None and attach_to is None:
-            raise ValueError("owner only applies together with attach_to; drop it, or pass attach_to.")
+        _check_limits(
+            default_command_timeout=default_command_timeout,
+            max_command_timeout=max_command_timeout,
+            max_output_bytes=max_output_bytes,
+            max_output_lines=max_output_lines,
+            max_read_bytes=max_read_bytes,
+            max_export_bytes=max_export_bytes,
+        )
+        _check_naming(backend, tool_prefix, attach_to, owner)
         self._options = SessionOptions(
             spec=spec,
             attach_to=attach_to,
@@ -247,20 +282,7 @@ class SandboxToolset(AbstractToolset[Any]):
             templated=True,
         )
         exports_map = dict(self._options.exports)
-        # What only an agent's toolset refuses: its own sandbox ends with the run.
-        if attach_to is not None and exports_map:
-            raise ValueError(
-                "exports cannot be combined with attach_to: the attached sandbox outlives this run and "
-                "belongs to the task that provisioned it, so collect its files in a later task."
-            )
-        if attach_to is None and spec is not None and spec.owner is not None:
-            raise ValueError(
-                "SandboxSpec.owner marks a sandbox for another task to attach to, but the toolset "
-                "destroys the sandbox it provisions when the run ends. Provision it in a task with "
-                "SandboxSpec(owner=...) and pass the handle as attach_to, or drop owner."
-            )
-        if export_conn_id is not None and not exports_map:
-            raise ValueError("export_conn_id only applies together with exports; drop it, or pass exports.")
+        _check_own_sandbox(spec, attach_to, exports_map, export_conn_id)
 
         self.backend = backend
         self.spec = spec

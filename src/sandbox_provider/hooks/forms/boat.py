@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from sandbox_provider.hooks.forms._hosted import request_timeout, service_fields
 from sandbox_provider.sandbox.settings import ConnectionForm, Setting, SettingsTable
 
 DEFAULT_SANDBOX_TIMEOUT = 3600
 #: Boat archives a sandbox after at most 30 days.
 MAX_SANDBOX_TIMEOUT = 30 * 24 * 3600
 DEFAULT_READY_TIMEOUT = 300.0
-DEFAULT_REQUEST_TIMEOUT = 30.0
 MACHINE_TYPES = ("small", "default", "large", "xlarge")
 
 SETTINGS = SettingsTable(
@@ -40,21 +40,9 @@ SETTINGS = SettingsTable(
         unit="seconds",
         minimum=1,
     ),
-    Setting(
-        "request_timeout",
-        float,
-        DEFAULT_REQUEST_TIMEOUT,
-        label="Request timeout (seconds)",
-        help="Seconds one API request may take, past a command's own deadline.",
-        unit="seconds",
-        minimum=1,
-    ),
+    request_timeout("Seconds one API request may take, past a command's own deadline."),
 )
-UI_BEHAVIOUR = {
-    "hidden-fields": ["login", "port", "schema"],
-    "relabeling": {"host": "API base URL", "password": "API key"},
-    "placeholders": {"host": "https://boat.dev/api/v1"},
-}
+UI_BEHAVIOUR = service_fields(host_label="API base URL", host_placeholder="https://boat.dev/api/v1")
 
 FORM = ConnectionForm(
     conn_type="sandbox_boat",

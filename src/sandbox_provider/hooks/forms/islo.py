@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from sandbox_provider.hooks.forms._hosted import request_timeout, service_fields
 from sandbox_provider.sandbox.settings import ConnectionForm, Setting, SettingsTable
 
 DEFAULT_SANDBOX_TIMEOUT = 3600
 DEFAULT_PAUSE_AFTER_IDLE = 600
-DEFAULT_REQUEST_TIMEOUT = 30.0
 AUTO_RESUME = ("on_activity", "never")
 
 SETTINGS = SettingsTable(
@@ -58,21 +58,9 @@ SETTINGS = SettingsTable(
         label="Control API URL",
         help="Islo's control-plane URL, where the API key is exchanged. Default: ISLO_BASE_URL, else Islo's.",
     ),
-    Setting(
-        "request_timeout",
-        float,
-        DEFAULT_REQUEST_TIMEOUT,
-        label="Request timeout (seconds)",
-        help="Seconds one API request may take.",
-        unit="seconds",
-        minimum=1,
-    ),
+    request_timeout("Seconds one API request may take."),
 )
-UI_BEHAVIOUR = {
-    "hidden-fields": ["login", "port", "schema"],
-    "relabeling": {"host": "Compute API URL", "password": "API key"},
-    "placeholders": {"host": "https://ca.compute.islo.dev"},
-}
+UI_BEHAVIOUR = service_fields(host_label="Compute API URL", host_placeholder="https://ca.compute.islo.dev")
 
 FORM = ConnectionForm(
     conn_type="sandbox_islo",
