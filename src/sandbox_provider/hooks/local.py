@@ -28,26 +28,25 @@ worker reaches, its loopback services and abstract Unix sockets included. ``allo
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
-import functools
 import logging
 import os
 import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from sandbox_provider.hooks import _local_cgroups as cgroups_mod
 from sandbox_provider.hooks import _local_driver as driver
+from sandbox_provider.hooks import _local_plan as plans
 from sandbox_provider.hooks import _local_state as state
 from sandbox_provider.hooks._local_files import LocalFiles
 from sandbox_provider.hooks._local_ids import IdLeases, parse_uid_range
 from sandbox_provider.hooks.forms.local import FORM
 from sandbox_provider.sandbox import egress
-from sandbox_provider.sandbox.attach import Attachable, expiry_of
+from sandbox_provider.sandbox.attach import Attachable
 from sandbox_provider.sandbox.egress.hooks import GatewayEgress
 from sandbox_provider.sandbox.errors import SandboxTerminalError
 from sandbox_provider.sandbox.files import ShellFiles
@@ -61,7 +60,6 @@ from sandbox_provider.sandbox.hook import (
 from sandbox_provider.sandbox.network import NetworkReach
 from sandbox_provider.sandbox.spec import (
     DEFAULT_WORKDIR,
-    NETWORK_TAG,
 )
 
 log = logging.getLogger(__name__)
@@ -198,7 +196,7 @@ class LocalSandboxHook(GatewayEgress, LocalFiles, ShellFiles, Attachable, Sandbo
         self._settings: dict[str, Any] | None = None
         self._leases_swept = 0.0
         self._bwrap_found: str | None = None
-        self._plans: dict[str, _Plan] = {}
+        self._plans: dict[str, plans.Plan] = {}
 
     # -- settings --------------------------------------------------------------------------------------
 
@@ -254,7 +252,7 @@ class LocalSandboxHook(GatewayEgress, LocalFiles, ShellFiles, Attachable, Sandbo
 
     def _system_binds(self, network: bool) -> list[str]:
         """The read-only system mounts (or ``image``'s), looked up once per worker process."""
-        return _system_binds(self._resolved()["image"], self.workdir, network)
+        return plans.system_binds(self._resolved()["image"], self.workdir, network)
 
     def _bwrap(self) -> str:
         if self._bwrap_found:
@@ -271,7 +269,7 @@ class LocalSandboxHook(GatewayEgress, LocalFiles, ShellFiles, Attachable, Sandbo
 
     @staticmethod
     def _tool(name: str) -> str:
-        found = _which(name)
+        found = plans.which(name)
         if not found:
             raise SandboxTerminalError(f"The local backend needs {name!r} on the worker: install {driver.TOOLS[name]}.")
         return found
@@ -286,12 +284,12 @@ class LocalSandboxHook(GatewayEgress, LocalFiles, ShellFiles, Attachable, Sandbo
         return 0o711 if self._drops_root else 0o700
 
     def _cgroups(self) -> cgroups_mod.Cgroups | None:
-        return cgroups_mod.probe(_checked(self._resolved()["cgroup_parent"], cgroups_mod.check_parent))
+        return cgroups_mod.probe(plans.checked(self._resolved()["cgroup_parent"], cgroups_mod.check_parent))
 
     def _leases(self) -> IdLeases | None:
         if not self._drops_root:
             return None
-        first, last = _checked(self._resolved()["uid_range"], parse_uid_range)
+        first, last = plans.checked(self._resolved()["uid_range"], parse_uid_range)
         return IdLeases(self._resolved()["uid_lease_dir"], first, last)
 
     def uid_of(self, handle: str) -> int:
@@ -357,21 +355,15 @@ class LocalSandboxHook(GatewayEgress, LocalFiles, ShellFiles, Attachable, Sandbo
 
     def _start_gateway(self, handle: str, request: ProvisionRequest) -> None:
         """Start the gateway of a new sandbox whose spec has allowlists; destroy the sandbox if it fails."""
-        image = self._resolved()["image"]
-        path = os.path.join(self._root(), handle)
         try:
-            if image and not os.path.exists(os.path.join(image, "usr/bin/socat")):
-                raise SandboxTerminalError(
-                    f"An egress allowlist needs socat inside the sandbox, and the image {image!r} has no "
-                    "/usr/bin/socat: install socat into it, or drop the allow lists."
-                )
-            egress.start_gateway(
-                egress.local_gateway_dir(path),
-                egress.policy_for(handle, request.spec, ports=self.egress_ports, pins=self.egress_pins),
+            egress.start_local_gateway(
+                os.path.join(self._root(), handle),
+                request.spec,
+                image=self._resolved()["image"],
                 expires_at=request.expires_at,
-                watch={"dir": path},
+                ports=self.egress_ports,
+                pins=self.egress_pins,
                 socket_owner=self.uid_of(handle) if self._drops_root else None,
-                dir_mode=0o711,
             )
         except BaseException:
             self._destroy(handle)
@@ -423,7 +415,7 @@ class LocalSandboxHook(GatewayEgress, LocalFiles, ShellFiles, Attachable, Sandbo
             request.spec.block_network,
             repr(sorted(limits.items())),
         )
-        if key in _PROBED:
+        if key in plans.PROBED:
             return
         try:
             probe = self._script(handle, "true", timeout=60)
@@ -433,7 +425,7 @@ class LocalSandboxHook(GatewayEgress, LocalFiles, ShellFiles, Attachable, Sandbo
         if not probe.ok:
             self._destroy(handle)
             raise SandboxTerminalError(f"A new sandbox could not run a command on this worker: {probe.stderr}")
-        _PROBED.add(key)
+        plans.PROBED.add(key)
 
     def _fill(self, staging: str, handle: str, request: ProvisionRequest, limits: Mapping[str, Any]) -> None:
         """Make the sandbox's user, box, cgroup and state in its ``.creating-`` directory."""
@@ -550,38 +542,19 @@ class LocalSandboxHook(GatewayEgress, LocalFiles, ShellFiles, Attachable, Sandbo
         """The cgroup (or None) and the rlimits one command of the sandbox runs under."""
         return cgroups_mod.confinement(handle, limits, self._cgroups(), max_file_bytes)
 
-    def _plan(self, handle: str) -> _Plan:
+    def _plan(self, handle: str) -> plans.Plan:
         """What every launch of the sandbox needs, worked out once per sandbox (and hook)."""
         path = self._dir(handle)
         plan = self._plans.get(handle)
         if plan is None or plan.path != path:
-            record = state.read_record(path)
-            tags, limits = record["stamps"], record["limits"]
-            network = '"block_network":false' in tags.get(NETWORK_TAG, "")
-            gateway = (
-                egress.local_launch(egress.local_gateway_dir(path), [])
-                if egress.has_allowlist(tags.get(NETWORK_TAG))
-                else None
-            )
-            argv = driver.bwrap_argv(
-                self._bwrap(),
-                box=state.box_path(path, limits),
+            plan = self._plans[handle] = plans.build(
+                path,
+                bwrap=self._bwrap(),
+                image=self._resolved()["image"],
                 workdir=self.workdir,
-                binds=self._system_binds(network) + (gateway.binds if gateway else []),
-                network=network,
-                shm_bytes=int(limits.get("shm_bytes") or self.settings["shm_bytes"].default),
-            )
-            plan = _Plan(
-                path=path,
-                bwrap_argv=argv,
-                env={**driver.base_env(self.workdir), **(gateway.env if gateway else {}), **record["env"]},
-                prefix=gateway.argv if gateway else [],
-                limits=limits,
-                uid=int(tags.get(UID_TAG, os.getuid())),
+                shm_default=self.settings["shm_bytes"].default,
                 tools={name: self._tool(name) for name in driver.TOOLS},
-                expires_at=expiry_of(tags),
             )
-            self._plans[handle] = plan
         return plan
 
     def _exec(
@@ -637,7 +610,7 @@ class LocalSandboxHook(GatewayEgress, LocalFiles, ShellFiles, Attachable, Sandbo
         try:
             outcome = self._follow(handle, plan.path, started, output, stdin, timeout, has_cgroup=cgroups is not None)
         finally:
-            if plan.prefix:
+            if plan.prefix:  # the gateway's account of this launch's connections, into the task log
                 egress.relay_log(egress.local_gateway_dir(plan.path), log)
         if ooms is not None and not outcome.timed_out and cgroups.oom_kills(handle) > ooms:
             output.stderr(
@@ -667,40 +640,3 @@ class LocalSandboxHook(GatewayEgress, LocalFiles, ShellFiles, Attachable, Sandbo
 
 #: The guide's name for this backend.
 LocalSandboxBackend = LocalSandboxHook
-
-
-def _checked(value: Any, check: Callable[[Any], Any]) -> Any:
-    """A setting of a shape its table cannot say, checked: :raises SandboxTerminalError: saying what to fix."""
-    try:
-        return check(value)
-    except ValueError as err:
-        raise SandboxTerminalError(f"{err} Fix the connection's extra, or pass the setting to the hook.") from err
-
-
-@dataclasses.dataclass(frozen=True)
-class _Plan:
-    """One sandbox's launch: its directory, bwrap's options, environment, limits, user, tools, expiry."""
-
-    path: str
-    bwrap_argv: list[str]
-    env: dict[str, str]
-    limits: Mapping[str, Any]
-    uid: int
-    tools: dict[str, str]
-    expires_at: float | None
-    #: what runs before each launch's own program (the egress forwarder), or nothing
-    prefix: list[str] = dataclasses.field(default_factory=list)
-
-
-@functools.lru_cache(maxsize=16)
-def _system_binds(image: str | None, workdir: str, network: bool) -> list[str]:
-    return driver.system_binds(image, workdir, network)
-
-
-#: Workers that proved bubblewrap builds a sandbox here: (bwrap, image, euid, cgroup parent, state root).
-_PROBED: set[tuple[Any, ...]] = set()
-
-
-@functools.cache
-def _which(name: str) -> str | None:
-    return shutil.which(name, path=driver.BWRAP_ENV["PATH"])

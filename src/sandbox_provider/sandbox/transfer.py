@@ -498,15 +498,8 @@ def export_files(
     :raises SandboxTerminalError: naming what failed, and any staged copy that could not be removed;
         or, when a move fails, naming the entries already in place.
     """
-    targets = export_targets(exports, conn_id=conn_id)
     tag = partial_tag(stamps)
-    staged: list[Staged] = []
-    requests: list[ExportRequest] = []
-    for path, url in exports.items():
-        target = targets[path]
-        request = _request(path, url)
-        requests.append(request)
-        staged.append(Staged(path, url, target, _partial_of(target, tag), directory=request.kind != "file"))
+    staged, requests = _staged_exports(exports, export_targets(exports, conn_id=conn_id), tag)
     sink = PartialSink(staged)
     started = time.monotonic()
     try:
@@ -530,6 +523,20 @@ def export_files(
         time.monotonic() - started,
     )
     return _publish(staged)
+
+
+def _staged_exports(
+    exports: Mapping[str, str], targets: Mapping[str, Any], tag: tuple[str, int]
+) -> tuple[list[Staged], list[ExportRequest]]:
+    """Each export's request to the sandbox, and where its ``.partial`` copy goes before it is published."""
+    staged: list[Staged] = []
+    requests: list[ExportRequest] = []
+    for path, url in exports.items():
+        target = targets[path]
+        request = _request(path, url)
+        requests.append(request)
+        staged.append(Staged(path, url, target, _partial_of(target, tag), directory=request.kind != "file"))
+    return staged, requests
 
 
 def _export_failure(err: Exception, staged: list[Staged], exports: Mapping[str, str], hook, handle: str):

@@ -59,6 +59,7 @@ __all__ = [
     "host_pins",
     "missing_tools",
     "policy_for",
+    "start_local_gateway",
     "proxy_env",
     "reach",
     "relay_log",
@@ -190,32 +191,8 @@ def start_gateway(
         )
     os.makedirs(directory, mode=dir_mode, exist_ok=True)
     os.chmod(directory, dir_mode)
-    log_path = os.path.join(directory, LOG)
-    config = {
-        "policy": policy.to_json(),
-        "socket": SOCKET,
-        "log": log_path,
-        "ready": os.path.join(directory, READY),
-        "expires_at": expires_at,
-        "watch": dict(watch),
-        "forward": [list(argv) for argv in forward],
-        "socket_mode": 0o600 if socket_owner is not None else 0o666,
-        "forward_port": FORWARD_PORT,
-    }
-    config_path = os.path.join(directory, CONFIG)
-    with open(os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as f:
-        json.dump(config, f)
-    with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as errors:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", _MODULE, config_path],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=errors,
-            start_new_session=True,
-            cwd=directory,
-            # The gateway connects directly: a proxy the worker itself is told to use is not the sandbox's.
-            env={k: v for k, v in os.environ.items() if k.upper() not in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY")},
-        )
+    config_path = _write_config(directory, policy, expires_at, watch, forward, socket_owner is not None)
+    proc = _spawn(directory, config_path)
     _wait_ready(directory, proc, START_TIMEOUT)
     if socket_owner is not None:
         os.chown(socket_path, socket_owner, socket_owner)
@@ -228,6 +205,79 @@ def start_gateway(
         list(policy.cidrs),
     )
     return proc.pid
+
+
+def _write_config(
+    directory: str,
+    policy: EgressPolicy,
+    expires_at: float,
+    watch: Mapping[str, Any],
+    forward: Sequence[Sequence[str]],
+    private_socket: bool,
+) -> str:
+    """Write the gateway's configuration (mode 0600) into ``directory``; return its path."""
+    config = {
+        "policy": policy.to_json(),
+        "socket": SOCKET,
+        "log": os.path.join(directory, LOG),
+        "ready": os.path.join(directory, READY),
+        "expires_at": expires_at,
+        "watch": dict(watch),
+        "forward": [list(argv) for argv in forward],
+        "socket_mode": 0o600 if private_socket else 0o666,
+        "forward_port": FORWARD_PORT,
+    }
+    config_path = os.path.join(directory, CONFIG)
+    with open(os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as f:
+        json.dump(config, f)
+    return config_path
+
+
+def _spawn(directory: str, config_path: str) -> subprocess.Popen[bytes]:
+    """Start the gateway process on ``config_path``, in a session of its own, its errors into the log."""
+    with open(os.open(os.path.join(directory, LOG), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as errors:
+        return subprocess.Popen(
+            [sys.executable, "-m", _MODULE, config_path],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=errors,
+            start_new_session=True,
+            cwd=directory,
+            # The gateway connects directly: a proxy the worker itself is told to use is not the sandbox's.
+            env={k: v for k, v in os.environ.items() if k.upper() not in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY")},
+        )
+
+
+def start_local_gateway(
+    path: str,
+    spec: SandboxSpec,
+    *,
+    image: str | None,
+    expires_at: float,
+    ports: Sequence[int],
+    pins: Mapping[str, Any],
+    socket_owner: int | None,
+) -> int:
+    """
+    Start the gateway of the local sandbox whose directory is ``path`` (its handle is the last part),
+    ending when that directory is gone; return its pid.
+
+    :raises SandboxTerminalError: if the sandbox's ``image`` (a root filesystem; None for the worker's
+        own) has no ``/usr/bin/socat``, or the gateway does not start.
+    """
+    if image and not os.path.exists(os.path.join(image, "usr/bin/socat")):
+        raise SandboxTerminalError(
+            f"An egress allowlist needs socat inside the sandbox, and the image {image!r} has no "
+            "/usr/bin/socat: install socat into it, or drop the allow lists."
+        )
+    return start_gateway(
+        local_gateway_dir(path),
+        policy_for(os.path.basename(path), spec, ports=ports, pins=pins),
+        expires_at=expires_at,
+        watch={"dir": path},
+        socket_owner=socket_owner,
+        dir_mode=0o711,
+    )
 
 
 def _gateway_pid(directory: str, match: str | None = None) -> int | None:
