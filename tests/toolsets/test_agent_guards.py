@@ -338,11 +338,17 @@ def test_review_with_an_attached_sandbox_regenerates_in_the_same_sandbox(migrate
 
 def _end_the_wait(dag_id: str) -> None:
     """A helper that cannot answer fails the parked task, so dag.test() ends and the test reports why."""
-    with create_session() as session:
-        for ti in session.query(TaskInstance).filter_by(dag_id=dag_id, task_id="agent"):
-            if ti.state == TaskInstanceState.AWAITING_INPUT:
-                ti.state = TaskInstanceState.FAILED
-        session.commit()
+    from sqlalchemy.exc import OperationalError
+
+    for _ in range(50):
+        try:
+            with create_session() as session:
+                for ti in session.query(TaskInstance).filter_by(dag_id=dag_id, task_id="agent"):
+                    if ti.state == TaskInstanceState.AWAITING_INPUT:
+                        ti.state = TaskInstanceState.FAILED
+            return
+        except OperationalError:  # SQLite busy: try again
+            time.sleep(0.2)
 
 
 class _Approver(threading.Thread):
@@ -362,20 +368,30 @@ class _Approver(threading.Thread):
 
     def run(self) -> None:
         from fastapi import HTTPException
+        from sqlalchemy.exc import OperationalError
 
         give_up = time.monotonic() + 120
-        try:
-            while not self.answered and not self.stop.is_set():
-                try:
+        while not self.stop.is_set():
+            if time.monotonic() > give_up:
+                # Not answered, or answered and the task never resumed: end dag.test() with a failure.
+                self.error = TimeoutError(f"within 120 s: answered={self.answered}, and dag.test() still waits")
+                _end_the_wait(self.dag_id)
+                return
+            try:
+                if not self.answered:
                     self._answer_if_waiting()
-                except HTTPException as err:
-                    # The task is parked, but its request may not be readable yet: ask again, for a while.
-                    if err.status_code != 404 or time.monotonic() > give_up:
-                        raise
-                time.sleep(0.1)
-        except BaseException as err:  # noqa: BLE001 - reported by the test
-            self.error = err
-            _end_the_wait(self.dag_id)
+            except OperationalError:
+                pass  # the test database (SQLite) is busy with the task's own writes: ask again
+            except HTTPException as err:
+                if err.status_code != 404:  # 404: the request is not readable yet
+                    self.error = err
+                    _end_the_wait(self.dag_id)
+                    return
+            except BaseException as err:  # noqa: BLE001 - reported by the test
+                self.error = err
+                _end_the_wait(self.dag_id)
+                return
+            time.sleep(0.1)
 
     def _answer_if_waiting(self) -> None:
         from airflow.api_fastapi.core_api.datamodels.hitl import UpdateHITLDetailPayload
