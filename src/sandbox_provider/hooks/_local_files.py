@@ -21,7 +21,7 @@ from sandbox_provider.hooks import _local_transfer as transfer
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.batch import ExportLimits, ExportRequest, ExportSink, ImportEntry, glob_base
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
-from sandbox_provider.sandbox.files import check_export_size, checked_size, file_failure, reported_size
+from sandbox_provider.sandbox.files import check_export_size, checked_size, file_failure, read_capped
 from sandbox_provider.sandbox.hook import FILE_OP_TIMEOUT, OutputSink, RunOutcome
 from sandbox_provider.sandbox.spec import SandboxExecResult, check_byte_count, check_path
 
@@ -68,21 +68,8 @@ class LocalFiles:
         """
         check_path(path)
         check_byte_count(max_bytes, "max_bytes")
-        chunks: list[bytes] = []
-        seen = [0]
-
-        def keep(data: bytes) -> None:
-            seen[0] += len(data)
-            if seen[0] <= max_bytes:
-                chunks.append(data)
-
-        result = self._script(handle, guest.shell_command("file.sh", path, int(max_bytes), "head"), on_stdout=keep)
-        size = reported_size(result.stderr)
-        if result.exit_code == guest.TOO_LARGE_STATUS or seen[0] > max_bytes:
-            raise SandboxFileTooLargeError(path, max(size or 0, seen[0]), max_bytes)
-        if not result.ok:
-            raise file_failure(result, path, "reading")
-        return b"".join(chunks)
+        script = guest.shell_command("file.sh", path, int(max_bytes), "head")
+        return read_capped(path, max_bytes, lambda keep: self._script(handle, script, on_stdout=keep))
 
     def import_file(self, handle: str, path: str, source: IO[bytes]) -> int:
         """

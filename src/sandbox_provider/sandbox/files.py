@@ -24,6 +24,7 @@ from sandbox_provider.sandbox.hook import FILE_OP_TIMEOUT
 from sandbox_provider.sandbox.spec import SandboxExecResult, check_byte_count, check_path
 
 __all__ = [
+    "read_capped",
     "LIST_OUTPUT_BYTES",
     "CountingReader",
     "ShellFiles",
@@ -77,6 +78,30 @@ def reported_size(stderr: str) -> int | None:
     """The size ``file.sh`` printed to ``stderr`` (the last one, past any other noise)."""
     found = re.findall(rf"{guest.SIZE_MARK}(\d+)", stderr)
     return int(found[-1]) if found else None
+
+
+def read_capped(path: str, max_bytes: int, run: Callable[[Callable[[bytes], None]], SandboxExecResult]) -> bytes:
+    """
+    The bytes of ``path`` that ``run(on_stdout)`` streams (the guest ``file.sh ... head`` program),
+    keeping at most ``max_bytes``.
+
+    :raises SandboxFileTooLargeError: if the program says, or the stream shows, it holds more.
+    :raises SandboxError: for the program's other failures (missing, unreadable, not a regular file).
+    """
+    chunks: list[bytes] = []
+    seen = [0]
+
+    def keep(data: bytes) -> None:
+        seen[0] += len(data)
+        if seen[0] <= max_bytes:
+            chunks.append(data)
+
+    result = run(keep)
+    if result.exit_code == guest.TOO_LARGE_STATUS or seen[0] > max_bytes:
+        raise SandboxFileTooLargeError(path, max(reported_size(result.stderr) or 0, seen[0]), max_bytes)
+    if not result.ok:
+        raise file_failure(result, path, "reading")
+    return b"".join(chunks)
 
 
 def check_export_size(path: str, expected: int, copied: int) -> None:
@@ -301,23 +326,13 @@ class StreamFiles:
         """See :meth:`SandboxHook.read_file`; the size cap is enforced inside the sandbox."""
         self._check_path(path)
         check_byte_count(max_bytes, "max_bytes")
-        chunks: list[bytes] = []
-        seen = [0]
-
-        def keep(data: bytes) -> None:
-            seen[0] += len(data)
-            if seen[0] <= max_bytes:
-                chunks.append(data)
-
-        result, _ = self._stream_script(
-            handle, "file.sh", path, int(max_bytes), "head", timeout=FILE_OP_TIMEOUT, on_stdout=keep
+        return read_capped(
+            path,
+            max_bytes,
+            lambda keep: self._stream_script(
+                handle, "file.sh", path, int(max_bytes), "head", timeout=FILE_OP_TIMEOUT, on_stdout=keep
+            )[0],
         )
-        size = reported_size(result.stderr)
-        if result.exit_code == guest.TOO_LARGE_STATUS or seen[0] > max_bytes:
-            raise SandboxFileTooLargeError(path, max(size or 0, seen[0]), max_bytes)
-        if not result.ok:
-            raise file_failure(result, path, "reading")
-        return b"".join(chunks)
 
     def export_file(self, handle: str, path: str, stream: IO[bytes], *, max_bytes: int) -> int:
         """See :meth:`SandboxHook.export_file`; at most ``max_bytes + 1`` bytes reach ``stream``."""
