@@ -6,20 +6,25 @@ the sandbox can see there, which is nothing of the worker's. Listing comes from 
 Bytes cross a launch's standard streams: in through a pipe a worker thread fills (``sendfile`` from
 a local source file, :mod:`_local_transfer`), out into the destination's own descriptor (a local
 file: ``cat`` in the sandbox writes it, no byte passes the worker) or a pipe. A batch moves as one
-tar stream through one launch each way.
+tar stream through one launch each way; a big local source file goes in by its own descriptor
+(``cat`` copies it in the kernel), and directory exports to local storage are written by the
+sandbox into their ``.partial`` directories and checked there (:mod:`_local_export`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import posixpath
+import re
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 from sandbox_provider.hooks import _local_driver as driver
+from sandbox_provider.hooks import _local_export as local_export
 from sandbox_provider.hooks import _local_transfer as transfer
 from sandbox_provider.sandbox import guest
-from sandbox_provider.sandbox.batch import ExportLimits, ExportRequest, ExportSink, ImportEntry, glob_base
+from sandbox_provider.sandbox.batch import ExportLimits, ExportRequest, ExportSink, ImportEntry, glob_base, joined_name
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
 from sandbox_provider.sandbox.files import check_export_size, checked_size, file_failure, read_capped
 from sandbox_provider.sandbox.hook import FILE_OP_TIMEOUT, OutputSink, RunOutcome
@@ -31,8 +36,11 @@ _EXPORT_MIN_RATE = 1024 * 1024  # bytes per second a local export is allowed to 
 _BATCH_TIMEOUT = 3600.0  # seconds a batch may take (cut to the sandbox's lifetime left)
 #: A command's staged files go in with it, in one launch, up to this many bytes; more go in first.
 STAGE_WITH_COMMAND_BYTES = 64 * 1024 * 1024
+#: A local source file this big goes in by its own descriptor, copied in the kernel (a launch of its own).
+DIRECT_COPY_BYTES = 64 * 1024 * 1024
 _STAGE_FAILED = "sandbox-stage-failed"
 _EXPORT_FAILED = "sandbox-export-failed:"
+_MKNOD_FAILED = re.compile(r"^tar: (\d+)/(.+): Cannot mknod")
 
 
 class LocalFiles:
@@ -41,6 +49,7 @@ class LocalFiles:
     _exec: Callable[..., RunOutcome]
     check_handle: Callable[[str], str]
     _deadline: Callable[[str, float], float]
+    uid_of: Callable[[str], int]
 
     def _script(
         self,
@@ -135,14 +144,18 @@ class LocalFiles:
         """
         Write every entry in one launch: one file through ``write.sh`` (a temporary sibling renamed
         into place), several as one tar stream that the sandbox's ``tar -x`` extracts. A local
-        source file's bytes go into the launch's pipe with ``sendfile``. Return the bytes written.
+        source file's bytes go into the launch's pipe with ``sendfile``; one of
+        :data:`DIRECT_COPY_BYTES` or more goes in by its own descriptor in a launch of its own, where
+        ``cat`` copies it in the kernel (``copy_file_range``). Return the bytes written.
 
         :raises SandboxError: naming what could not be written; :raises SandboxTerminalError: sandbox gone.
         """
-        if not entries:
-            return 0
         for entry in entries:
             check_path(entry.path)
+        entries, direct = _split_direct(entries)
+        done = sum(self._import_direct(handle, entry) for entry in direct)
+        if not entries:
+            return done
         single = len(entries) == 1
         feed = transfer.ArchiveFeed(entries, archive=not single)
         if single:
@@ -156,7 +169,52 @@ class LocalFiles:
         _raise_feed_error(error, where)
         if not result.ok:
             raise file_failure(result, where, "writing")
-        return sum(entry.size for entry in entries)
+        return done + sum(entry.size for entry in entries)
+
+    def _import_direct(self, handle: str, entry: ImportEntry) -> int:
+        """Copy one local regular file in: the sandbox's ``cat`` reads the source's own descriptor."""
+        source = entry.open()
+        try:
+            fd = transfer.regular_fd(source)
+            if fd is None or source.tell() != 0:  # through the pipe after all, from the stream already open
+                return self.import_batch(handle, [dataclasses.replace(entry, open=lambda: source, local_path=None)])
+            script = guest.shell_command("write.sh", "copy", entry.path, entry.size)
+            result = self._script(handle, script, stdin_fd=os.dup(fd), timeout=_BATCH_TIMEOUT)
+        finally:
+            source.close()
+        if result.exit_code == 3:
+            raise SandboxError(f"The source for {entry.path!r} does not hold the {entry.size} bytes it reported.")
+        if not result.ok:
+            raise file_failure(result, entry.path, "writing")
+        return entry.size
+
+    def _export_in_place(
+        self,
+        handle: str,
+        requests: Sequence[ExportRequest],
+        sink: Any,
+        directories: list[str],
+        limits: ExportLimits,
+    ) -> int:
+        """Tree and glob requests to local storage: written into their ``.partial`` directories (``_local_export``)."""
+        args = _tree_args(requests)
+        binds = local_export.prepare(directories, self.uid_of(handle) if os.geteuid() == 0 else None)
+        try:
+            script = guest.shell_command("export_into.sh", local_export.MOUNT, guest.program("export_tree.sh"), *args)
+            result = self._script(
+                handle, script, timeout=_BATCH_TIMEOUT, binds=binds, max_file_bytes=limits.max_file_bytes + 1
+            )
+            if result.sandbox_terminated:
+                raise SandboxTerminalError(f"The sandbox ended while exporting {requests[0].path!r}.")
+            adopted = local_export.adopt(directories, requests, limits)  # checks first: a big file ends tar
+            if not result.ok:
+                raise _export_failure(result, requests)
+        except BaseException:
+            local_export.remove(directories)
+            raise
+        for index, files in enumerate(adopted):
+            sink.adopt(index, files)
+        return sum(sum(files.values()) for files in adopted)
 
     def _run_staged(
         self, handle: str, command: str, stage: Sequence[ImportEntry], *, timeout: float, output: OutputSink
@@ -192,6 +250,9 @@ class LocalFiles:
         """
         if not requests:
             return 0
+        directories = local_export.local_directories(sink, requests)
+        if directories is not None:
+            return self._export_in_place(handle, requests, sink, directories, limits)
         if len(requests) == 1 and requests[0].kind == "file":
             # One file: its destination's own descriptor goes to cat in the sandbox (in-kernel copy).
             name = posixpath.basename(requests[0].path)
@@ -199,16 +260,8 @@ class LocalFiles:
             size = self.export_file(handle, requests[0].path, sink.begin(0, name), max_bytes=room)
             sink.end(0, name, size)
             return size
-        args: list[str] = []
-        for request in requests:
-            check_path(request.path)
-            if request.kind == "glob":
-                base, pattern = glob_base(request.path)
-                args += ["glob", f"{base}\n{'/'.join(pattern)}"]
-            else:
-                args += [request.kind, request.path]
         reader = transfer.ExportReader(requests, sink, limits)
-        script = guest.shell_command("export_tree.sh", *args)
+        script = guest.shell_command("export_tree.sh", *_tree_args(requests))
 
         def launch() -> SandboxExecResult:
             return self._script(handle, script, stdout_fd=reader.write_end, timeout=_BATCH_TIMEOUT)
@@ -225,6 +278,31 @@ class LocalFiles:
         if not result.ok:
             raise _export_failure(result, requests)
         return reader.total
+
+
+def _tree_args(requests: Sequence[ExportRequest]) -> list[str]:
+    """``export_tree.sh``'s arguments for ``requests``: a kind and a path each."""
+    args: list[str] = []
+    for request in requests:
+        check_path(request.path)
+        if request.kind == "glob":
+            base, pattern = glob_base(request.path)
+            args += ["glob", f"{base}\n{'/'.join(pattern)}"]
+        else:
+            args += [request.kind, request.path]
+    return args
+
+
+def _split_direct(entries: Sequence[ImportEntry]) -> tuple[list[ImportEntry], list[ImportEntry]]:
+    """``(the rest, the big local files that go in by descriptor)``; none when their paths meet the rest's."""
+    direct = [e for e in entries if e.local_path is not None and e.size >= DIRECT_COPY_BYTES]
+    if not direct:
+        return list(entries), []
+    rest = [e for e in entries if not (e.local_path is not None and e.size >= DIRECT_COPY_BYTES)]
+    landing = [posixpath.normpath(e.path) for e in direct]
+    if len(set(landing)) < len(landing) or set(landing) & {posixpath.normpath(e.path) for e in rest}:
+        return list(entries), []
+    return rest, direct
 
 
 def _raise_feed_error(error: BaseException | None, where: str) -> None:
@@ -249,6 +327,14 @@ def _export_failure(result: SandboxExecResult, requests: Sequence[ExportRequest]
         return SandboxError(f"{request.path!r} is not a directory in the sandbox; export it as a file.")
     if result.exit_code == 70:
         lines = [line for line in result.stderr.splitlines() if not line.startswith(_EXPORT_FAILED)]
+        for line in lines:  # a device tar -h found behind a link: tar -x (export_into.sh) cannot make one
+            found = _MKNOD_FAILED.match(line)
+            if found and int(found[1]) < len(requests):
+                where = joined_name(requests[int(found[1])], found[2])
+                return SandboxError(
+                    f"{where!r} is not a regular file in the sandbox (a device); export regular files only."
+                )
+        lines = [line for line in lines if "Exiting with failure status" not in line]
         detail = lines[-1] if lines else f"exit status {result.exit_code}"
         return SandboxError(f"Could not export {request.path!r}: {detail}")
     return file_failure(result, request.path, "exporting")

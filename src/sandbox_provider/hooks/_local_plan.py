@@ -9,7 +9,7 @@ import dataclasses
 import functools
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sandbox_provider.hooks import _local_driver as driver
@@ -64,6 +64,15 @@ def build(path: str, *, bwrap: str, image: str | None, workdir: str, shm_default
         tools=tools,
         expires_at=expiry_of(tags),
     )
+
+
+def with_binds(bwrap_argv: list[str], binds: Sequence[tuple[str, str]]) -> list[str]:
+    """``bwrap_argv`` with ``binds`` (worker directory, path inside) mounted writable, before the root goes read-only."""
+    if not binds:
+        return bwrap_argv
+    at = bwrap_argv.index("--remount-ro")
+    extra = [arg for source, dest in binds for arg in ("--bind", source, dest)]
+    return [*bwrap_argv[:at], *extra, *bwrap_argv[at:]]
 
 
 @functools.lru_cache(maxsize=16)

@@ -568,12 +568,14 @@ class LocalSandboxHook(GatewayEgress, LocalFiles, ShellFiles, Attachable, Sandbo
         stdin_fd: int | None = None,
         stdout_fd: int | None = None,
         max_file_bytes: int | None = None,
+        binds: Sequence[tuple[str, str]] = (),
     ) -> RunOutcome:
         """
         Run ``argv`` in the sandbox for at most ``timeout`` seconds. Standard input streams from
         ``stdin``, or is the descriptor ``stdin_fd`` (closed here once the launch has it); standard
         output goes into ``output``, or straight into the descriptor ``stdout_fd`` (the worker never
-        reads it).
+        reads it). ``binds``: ``(worker directory, path inside)`` pairs mounted writable for this
+        launch only.
         """
         try:
             plan = self._plan(handle)
@@ -589,7 +591,7 @@ class LocalSandboxHook(GatewayEgress, LocalFiles, ShellFiles, Attachable, Sandbo
         try:
             started = driver.start(
                 plan.tools,
-                plan.bwrap_argv,
+                plans.with_binds(plan.bwrap_argv, binds),
                 [*plan.prefix, *argv],
                 env=plan.env,
                 rlimits=rlimits,

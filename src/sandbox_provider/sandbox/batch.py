@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from sandbox_provider.sandbox.hook import SandboxHook
 
 __all__ = [
+    "ExportBudget",
     "ExportLimits",
     "ExportRequest",
     "ExportSink",
@@ -32,6 +33,7 @@ __all__ = [
     "default_import_batch",
     "glob_base",
     "is_glob",
+    "joined_name",
     "read_export_archive",
 ]
 
@@ -42,7 +44,7 @@ MAX_TREE_DEPTH = 64
 _GLOB_CHARS = frozenset("*?[")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ImportEntry:
     """
     One file to write into a sandbox.
@@ -53,12 +55,17 @@ class ImportEntry:
         closes it.
     :param local_path: the source's path when it is a regular file on the worker (already checked,
         symlinks followed), for a backend that copies it natively; None otherwise.
+    :param walked: ``(worker directory, sandbox directory)`` when a directory walk found this plain
+        file (not a symlink) below the worker directory, at the same relative path as ``path`` has
+        below the sandbox directory: a backend may hand such files to a native archiver by their
+        relative names (which must not follow a symlink that replaced one since). None otherwise.
     """
 
     path: str
     size: int
     open: Callable[[], IO[bytes]]
     local_path: str | None = None
+    walked: tuple[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +112,11 @@ class ExportSink(Protocol):
         """The file is complete: ``size`` bytes were written."""
         ...
 
+    # Optional, for a backend that writes a batch's files in place itself (the local one):
+    # ``local_directory(index) -> str | None``, a local directory path, not there yet, that the
+    # backend may create and fill with request ``index``'s files (tree and glob requests), and
+    # ``adopt(index, files)``, which records the ``{name: size}`` it put there, checked.
+
 
 def is_glob(path: str) -> bool:
     """True when ``path`` holds a shell pattern character (``*``, ``?`` or ``[``)."""
@@ -126,7 +138,7 @@ def glob_base(pattern: str) -> tuple[str, list[str]]:
 # -- checks every implementation shares -----------------------------------------------------------------
 
 
-class _Budget:
+class ExportBudget:
     """Counts files and bytes of one batch against its :class:`ExportLimits`."""
 
     def __init__(self, limits: ExportLimits) -> None:
@@ -136,9 +148,8 @@ class _Budget:
 
     def admit(self, request: ExportRequest, name: str, size: int) -> None:
         """:raises SandboxFileTooLargeError, SandboxError: before a file of ``size`` bytes is copied."""
-        where = _joined(request, name)
         if size > self.limits.max_file_bytes:
-            raise SandboxFileTooLargeError(where, size, self.limits.max_file_bytes)
+            raise SandboxFileTooLargeError(joined_name(request, name), size, self.limits.max_file_bytes)
         if self.total + size > self.limits.max_total_bytes:
             raise SandboxFileTooLargeError(request.path, self.total + size, self.limits.max_total_bytes)
         self.files += 1
@@ -152,7 +163,8 @@ class _Budget:
         return min(self.limits.max_file_bytes, self.limits.max_total_bytes - self.total)
 
 
-def _joined(request: ExportRequest, name: str) -> str:
+def joined_name(request: ExportRequest, name: str) -> str:
+    """The sandbox path of file ``name`` (relative to the request's directory) of ``request``."""
     if request.kind == "file":
         return request.path
     base = glob_base(request.path)[0] if request.kind == "glob" else request.path
@@ -185,7 +197,7 @@ def read_export_archive(
 
     :raises SandboxError: naming the member refused; :class:`SandboxFileTooLargeError` for a limit.
     """
-    budget = _Budget(limits)
+    budget = ExportBudget(limits)
     seen: set[tuple[int, str]] = set()
     with tarfile.open(fileobj=stream, mode="r|", ignore_zeros=True) as archive:
         for member in archive:
@@ -197,11 +209,11 @@ def read_export_archive(
             request = requests[index]
             if not member.isreg():
                 raise SandboxError(
-                    f"{_joined(request, name)!r} is not a regular file in the sandbox ({_kind(member)}); "
+                    f"{joined_name(request, name)!r} is not a regular file in the sandbox ({_kind(member)}); "
                     "export regular files only."
                 )
             if (index, name) in seen:
-                raise SandboxError(f"The sandbox sent {_joined(request, name)!r} twice in one export.")
+                raise SandboxError(f"The sandbox sent {joined_name(request, name)!r} twice in one export.")
             seen.add((index, name))
             budget.admit(request, name, member.size)
             _copy_member(archive, member, sink, index, name)
@@ -273,7 +285,7 @@ def default_export_batch(
     hook: SandboxHook, handle: str, requests: Sequence[ExportRequest], sink: ExportSink, *, limits: ExportLimits
 ) -> int:
     """Copy each request's files with ``hook.export_file``, walking trees with ``list_directory``."""
-    budget = _Budget(limits)
+    budget = ExportBudget(limits)
     for index, request in enumerate(requests):
         if request.kind == "file":
             _export_one(hook, handle, budget, sink, index, request, request.path, posixpath.basename(request.path))
@@ -286,7 +298,7 @@ def default_export_batch(
     return budget.total
 
 
-def _export_one(hook, handle, budget: _Budget, sink: ExportSink, index, request, path: str, name: str) -> None:
+def _export_one(hook, handle, budget: ExportBudget, sink: ExportSink, index, request, path: str, name: str) -> None:
     room = budget.left()
     stream = sink.begin(index, name)
     try:

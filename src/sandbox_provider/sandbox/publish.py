@@ -12,6 +12,9 @@ succeeded:
 - otherwise (it exists, or object storage) each file is moved into place after all were copied: for
   that short window a reader may see some new files and not yet others, but never half a file, and
   other files already in the destination stay. A failed copy changes no destination.
+
+A directory export that finds no file (an empty directory, a glob matching nothing) leaves an empty
+destination directory on local storage, and nothing on object storage.
 """
 
 from __future__ import annotations
@@ -93,6 +96,17 @@ class PartialSink:
         self._open = (index, name, stream)
         return stream
 
+    def local_directory(self, index: int) -> str | None:
+        """Request ``index``'s ``.partial`` directory, for a backend to make and fill itself; None unless local and new."""
+        entry = self.staged[index]
+        if not entry.directory or not is_local(entry.partial) or os.path.lexists(entry.partial.path):
+            return None
+        return entry.partial.path
+
+    def adopt(self, index: int, files: dict[str, int]) -> None:
+        """Record the ``{name: size}`` a backend wrote (and checked) in :meth:`local_directory` ``(index)``."""
+        self.staged[index].files.update(files)
+
     def end(self, index: int, name: str, size: int) -> None:
         if self._open is None or self._open[:2] != (index, name):
             raise SandboxError(f"The export ended {name!r}, which it had not begun.")
@@ -120,6 +134,9 @@ def publish(entry: Staged) -> None:
         return
     if is_local(entry.target):
         target = entry.target.path.rstrip("/")
+        if not os.path.lexists(entry.partial.path):  # nothing matched, or an empty directory: an empty one
+            os.makedirs(target, exist_ok=True)
+            return
         if not os.path.lexists(target):
             os.makedirs(os.path.dirname(target), exist_ok=True)
             os.rename(entry.partial.path, target)

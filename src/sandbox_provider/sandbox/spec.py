@@ -305,9 +305,9 @@ def check_path(path: Any) -> str:
 
     :raises SandboxError: otherwise, saying what to pass instead.
     """
-    from sandbox_provider.sandbox.errors import SandboxError
-
     if not isinstance(path, str) or not path.strip() or "\0" in path:
+        from sandbox_provider.sandbox.errors import SandboxError
+
         raise SandboxError(f"{path!r} is not a usable path: give a non-empty string without NUL characters.")
     return path
 

@@ -200,7 +200,7 @@ def is_local(path: ObjectStoragePath) -> bool:
     return "file" in (protocol if isinstance(protocol, (tuple, list)) else (protocol,))
 
 
-def _kind(mode: int) -> str | None:
+def special_kind_of(mode: int) -> str | None:
     """What a file of ``mode`` is, in words, unless it is a regular file, a directory or a symlink."""
     for test, words in (
         (stat.S_ISCHR, "a character device"),
@@ -216,7 +216,7 @@ def _kind(mode: int) -> str | None:
 def special_kind(local_path: str) -> str | None:
     """What is at ``local_path`` when it is neither a regular file, a directory nor a symlink; else None."""
     try:
-        return _kind(os.lstat(local_path).st_mode)
+        return special_kind_of(os.lstat(local_path).st_mode)
     except OSError:
         return None
 
@@ -250,9 +250,9 @@ def check_export_target(target: ObjectStoragePath, url: str, path: str) -> None:
         raise SandboxTerminalError(f"{lead} the worker cannot look at it ({err.strerror}).") from err
     if mode is not None and stat.S_ISDIR(mode):
         raise SandboxTerminalError(f"{lead} it is a directory. Name a file, e.g. {_example(url, path)}.")
-    if mode is not None and _kind(mode):
+    if mode is not None and special_kind_of(mode):
         raise SandboxTerminalError(
-            f"{lead} it exists and is {_kind(mode)}, not a regular file, which an export would replace. Name a "
+            f"{lead} it exists and is {special_kind_of(mode)}, not a regular file, which an export would replace. Name a "
             "regular file."
         )
     _check_parent(local, lead)
@@ -376,7 +376,7 @@ def resolve_file_input(local: str, url: str, what: str) -> str:
         raise SandboxTerminalError(f"{what} is {url}, which does not exist on this worker.") from None
     except OSError as err:
         raise SandboxTerminalError(f"{what} is {url}, which the worker cannot read ({err.strerror}).") from err
-    kind = "a directory" if stat.S_ISDIR(info.st_mode) else _kind(info.st_mode)
+    kind = "a directory" if stat.S_ISDIR(info.st_mode) else special_kind_of(info.st_mode)
     if kind:
         raise SandboxTerminalError(f"Input {url} is not a regular file ({kind}); stage a file instead.")
     return real

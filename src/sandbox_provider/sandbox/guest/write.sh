@@ -2,6 +2,8 @@
 # end, so a reader never sees half a file and a symlink at the path is replaced, not followed.
 #   stdin PATH [SIZE]   copy standard input to PATH; with SIZE, exactly SIZE bytes of it (for a
 #                       caller that cannot close the stream after them)
+#   copy PATH SIZE      copy standard input, a regular file, to PATH (cat copies in the kernel);
+#                       exit status 3 when it did not hold exactly SIZE bytes (nothing is written)
 #   start PATH          print the name of a new temporary sibling of PATH (parents made)
 #   append TMP B64      append the base64 text B64, decoded, to TMP
 #   concat TMP PART     append the file PART to TMP, then remove PART (for pieces a file API wrote)
@@ -12,6 +14,16 @@ case $mode in
   stdin)
     d=$(dirname -- "$2") && mkdir -p -- "$d" && t=$(mktemp "$d/.sandbox-write.XXXXXX") || exit 1
     if { if [ -n "$3" ]; then head -c "$3"; else cat; fi; } > "$t" && mv -fT -- "$t" "$2"; then exit 0; fi
+    rm -f -- "$t"; exit 1 ;;
+  copy)
+    d=$(dirname -- "$2") && mkdir -p -- "$d" && t=$(mktemp "$d/.sandbox-write.XXXXXX") || exit 1
+    if cat > "$t"; then
+      n=$(wc -c < "$t")
+      if [ "$n" -ne "$3" ]; then
+        rm -f -- "$t"; echo "write.sh: the source held $n bytes, not $3" >&2; exit 3
+      fi
+      mv -fT -- "$t" "$2" && exit 0
+    fi
     rm -f -- "$t"; exit 1 ;;
   start)
     d=$(dirname -- "$2") && mkdir -p -- "$d" && mktemp "$d/.sandbox-write.XXXXXX" ;;

@@ -1,0 +1,227 @@
+"""The local backend's fast transfer paths, against real bubblewrap: a walked directory archived by the
+worker's own tar, a big local file copied in by its descriptor, and directory exports the sandbox
+writes into their ``.partial`` directory, checked by the worker afterwards (hostile launches too)."""
+
+# ruff: noqa: F811 (the hook and sandbox fixtures of test_local are used by name)
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+
+import pytest
+from tests.hooks.test_local import hook, sandbox  # noqa: F401 (the fixtures)
+
+from conftest import requires_bwrap
+from sandbox_provider.hooks import _local_files, _local_transfer
+from sandbox_provider.hooks.local import LocalSandboxHook
+from sandbox_provider.sandbox import SandboxSpec
+from sandbox_provider.sandbox.errors import SandboxTerminalError
+from sandbox_provider.sandbox.transfer import export_files, stage_entries, stage_files, stage_inputs
+
+pytestmark = requires_bwrap
+
+
+def _run(hook, handle, command: str) -> str:
+    result = hook.run_command(handle, command, timeout=60, max_output_bytes=1 << 20)
+    assert result.ok, result.stderr
+    return result.stdout
+
+
+def _tree(root, count: int, names: tuple[str, ...] = ()) -> dict[str, bytes]:
+    made = {}
+    for i in range(count):
+        made[f"d{i % 5}/f{i}.txt"] = f"file {i}\n".encode()
+    for name in names:
+        made[name] = f"odd {name!r}\n".encode()
+    for name, data in made.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return made
+
+
+def _digest_inside(hook, handle, directory: str) -> str:
+    quoted = "'" + directory.replace("'", "'\\''") + "'"
+    return _run(hook, handle, f"cd {quoted} && find . -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum -z")
+
+
+def _digest_here(root) -> str:
+    lines = []
+    for path in sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: os.fsencode(p.relative_to(root))):
+        lines.append(f"{hashlib.sha256(path.read_bytes()).hexdigest()}  ./{path.relative_to(root)}\0")
+    return "".join(lines)
+
+
+# -- staging a walked directory with the worker's tar --------------------------------------------------
+
+
+def test_a_walked_directory_goes_to_the_workers_tar_and_lands_whole(hook, sandbox, tmp_path, monkeypatch):
+    source = tmp_path / "src"
+    odd = ("-leading dash", "sp ace/x", "amp&back\\slash", "ünï", "comma,pipe|hash#")
+    _tree(source, 60, odd)
+    calls = []
+    real = _local_transfer.archive_natively
+    monkeypatch.setattr(_local_transfer, "archive_natively", lambda *a: calls.append(len(a[1])) or real(*a))
+    special = "a&b\\c,d"  # characters the transform must escape, and its first delimiter
+    unsayable = "we&ird\\dir,|#:;@%!~"  # every delimiter the transform could use: tarfile headers instead
+    for target in ("plain", special, unsayable):
+        stage_inputs(hook, sandbox, {target: f"file://{source}/"})
+        assert _digest_inside(hook, sandbox, target) == _digest_here(source)
+    assert calls == [65, 65]  # positive control: the first two went to the worker's tar, the third did not
+    modes = _run(hook, sandbox, "stat -c %a plain/d0/f0.txt 'plain/-leading dash'").split()
+    assert modes == ["644", "644"]
+
+
+def test_an_absolute_sandbox_path_and_files_beside_it(hook, sandbox, tmp_path):
+    source = tmp_path / "src"
+    _tree(source, 40)
+    entries = stage_entries({"/tmp/extra/one.txt": "one"}, {"/tmp/abs": f"file://{source}/"})
+    assert _local_transfer.native_split(entries)[1]  # the walk goes natively, after the text file
+    hook.import_batch(sandbox, entries)
+    assert _digest_inside(hook, sandbox, "/tmp/abs") == _digest_here(source)
+    assert _run(hook, sandbox, "cat /tmp/extra/one.txt") == "one"
+
+
+def test_an_entry_landing_on_a_walked_path_keeps_the_order_of_the_mapping(hook, sandbox, tmp_path):
+    source = tmp_path / "src"
+    _tree(source, 40)
+    entries = stage_entries({}, {"in": f"file://{source}/", "in/d0/f0.txt": f"file://{source}/d1/f1.txt"})
+    assert _local_transfer.native_split(entries)[1] == []  # moving the walk last would change the winner
+    hook.import_batch(sandbox, entries)
+    assert _run(hook, sandbox, "cat in/d0/f0.txt") == "file 1\n"  # the later entry won, as it always did
+
+
+def test_a_file_swapped_for_a_symlink_after_the_walk_goes_in_as_that_symlink(hook, sandbox, tmp_path):
+    source = tmp_path / "src"
+    _tree(source, 40)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("worker secret\n")
+    entries = stage_entries({}, {"in": f"file://{source}/"})
+    victim = source / "d0" / "f0.txt"
+    victim.unlink()
+    victim.symlink_to(secret)
+    # Positive control: following the link on the worker reaches the secret.
+    assert victim.read_text() == "worker secret\n"
+    hook.import_batch(sandbox, entries)
+    inside = hook.run_command(sandbox, "readlink in/d0/f0.txt; cat in/d0/f0.txt", timeout=30, max_output_bytes=999)
+    assert inside.stdout.splitlines()[0] == str(secret)
+    assert "worker secret" not in inside.stdout  # the sandbox sees a dangling link, never the bytes
+
+
+def test_a_walked_file_that_vanished_fails_the_staging(hook, sandbox, tmp_path):
+    source = tmp_path / "src"
+    _tree(source, 40)
+    entries = stage_entries({}, {"in": f"file://{source}/"})
+    (source / "d3" / "f3.txt").unlink()
+    with pytest.raises(Exception, match="f3.txt"):
+        hook.import_batch(sandbox, entries)
+
+
+# -- a big local file by its descriptor ---------------------------------------------------------------
+
+
+def test_a_big_local_file_goes_in_by_descriptor(hook, sandbox, tmp_path, monkeypatch):
+    monkeypatch.setattr(_local_files, "DIRECT_COPY_BYTES", 1 << 20)
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom((1 << 20) + 5))
+    copied = []
+    real = hook._import_direct
+    monkeypatch.setattr(hook, "_import_direct", lambda h, e: copied.append(e.path) or real(h, e))
+    (tmp_path / "s.txt").write_text("s")
+    stage_inputs(hook, sandbox, {"b/big.bin": f"file://{big}", "small.txt": f"file://{tmp_path}/s.txt"})
+    assert copied == ["b/big.bin"]
+    out = _run(hook, sandbox, "sha256sum b/big.bin; cat small.txt")
+    assert out.split()[0] == hashlib.sha256(big.read_bytes()).hexdigest() and out.endswith("s")
+
+
+def test_a_big_source_that_changed_size_is_refused_and_nothing_lands(hook, sandbox, tmp_path, monkeypatch):
+    monkeypatch.setattr(_local_files, "DIRECT_COPY_BYTES", 1 << 10)
+    big = tmp_path / "big.bin"
+    big.write_bytes(b"x" * 4096)
+    entry = stage_entries({}, {"big.bin": f"file://{big}"})[0]
+    big.write_bytes(b"x" * 5000)  # grew after its size was taken
+    with pytest.raises(Exception, match="does not hold the 4096 bytes"):
+        hook.import_batch(sandbox, [entry])
+    assert _run(hook, sandbox, "ls -A") == ""
+
+
+# -- directory exports written in place --------------------------------------------------------------
+
+
+def test_an_export_in_place_gives_the_files_to_the_worker(hook, sandbox, tmp_path):
+    _run(
+        hook,
+        sandbox,
+        "mkdir -p d/s && echo a > d/a && cp /bin/true d/s/tool && chmod 4755 d/s/tool && chmod 700 d/s && "
+        "printf 'x%.0s' $(seq 300) > d/big",
+    )
+    records = export_files(hook, sandbox, {"d": f"file://{tmp_path}/out/"})
+    out = tmp_path / "out"
+    tool = out / "s" / "tool"
+    assert records[0].size_bytes == 2 + 300 + os.path.getsize("/bin/true")
+    assert stat.S_IMODE(tool.stat().st_mode) == 0o644  # no set-id bit, no exec bit
+    assert stat.S_IMODE((out / "s").stat().st_mode) == 0o755
+    assert {p.stat().st_uid for p in out.rglob("*")} | {out.stat().st_uid} == {os.geteuid()}
+    assert not [p for p in tmp_path.iterdir() if ".partial" in p.name]
+
+
+def test_an_empty_directory_and_a_glob_matching_nothing_give_empty_directories(hook, sandbox, tmp_path):
+    _run(hook, sandbox, "mkdir empty full && echo x > full/a.csv")
+    records = export_files(hook, sandbox, {"empty": f"file://{tmp_path}/e/", "full/*.txt": f"file://{tmp_path}/g/"})
+    assert [r.size_bytes for r in records] == [0, 0]
+    assert list((tmp_path / "e").iterdir()) == [] and list((tmp_path / "g").iterdir()) == []
+
+
+def test_more_files_than_the_limit_fail_and_leave_nothing(hook, sandbox, tmp_path, monkeypatch):
+    from sandbox_provider.sandbox import batch
+
+    _run(hook, sandbox, "mkdir d && cd d && touch $(seq 30)")
+    monkeypatch.setattr(batch.ExportLimits, "__init__", _limits_with_files(20))
+    with pytest.raises(SandboxTerminalError, match="more than 20 files"):
+        export_files(hook, sandbox, {"d": f"file://{tmp_path}/out/"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]
+
+
+def _limits_with_files(count: int):
+    from sandbox_provider.sandbox import batch
+
+    original = batch.ExportLimits.__init__
+
+    def init(self, max_file_bytes, max_total_bytes, max_files=100_000):
+        original(self, max_file_bytes, max_total_bytes, count)
+
+    return init
+
+
+def test_a_deep_tree_exports_and_a_failed_one_is_removed_whole(hook, sandbox, tmp_path):
+    _run(hook, sandbox, "p=d; for i in $(seq 200); do p=$p/x; done; mkdir -p $p && echo deep > $p/f && mkfifo d/pipe")
+    with pytest.raises(SandboxTerminalError, match="named pipe"):
+        export_files(hook, sandbox, {"d": f"file://{tmp_path}/out/"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]  # the 200-deep partial is gone too
+    _run(hook, sandbox, "rm d/pipe")
+    export_files(hook, sandbox, {"d": f"file://{tmp_path}/out/"})
+    assert (tmp_path / "out" / "/".join(["x"] * 200) / "f").read_text() == "deep\n"
+
+
+def test_a_hostile_tar_in_the_export_launch_gets_nothing_past_the_checks(tmp_path):
+    # The Dag author put the workspace first on PATH; the code in the sandbox planted a "tar" there.
+    hook = LocalSandboxHook(state_root=str(tmp_path / "state"))
+    handle = hook.create(spec=SandboxSpec(env={"PATH": "/workspace/bin:/usr/bin:/bin"}))
+    try:
+        planted = (
+            "#!/bin/sh\n"
+            'case "$*" in *-x*) ;; *) exec /usr/bin/tar "$@" ;; esac\n'
+            "cat > /dev/null\n"
+            "echo ran > /workspace/hostile-ran\n"
+            "mkdir -p /.airflow-export/0 && ln -s /etc/passwd /.airflow-export/0/passwd\n"
+            "echo x > /.airflow-export/0/setuid && chmod 4777 /.airflow-export/0/setuid\n"
+        )
+        stage_files(hook, handle, {"bin/tar": planted})
+        _run(hook, handle, "chmod 755 bin/tar && mkdir d && echo a > d/a")
+        with pytest.raises(SandboxTerminalError, match="symbolic link"):
+            export_files(hook, handle, {"d": f"file://{tmp_path}/out/"})
+        assert _run(hook, handle, "cat hostile-ran") == "ran\n"  # positive control: the planted tar ran
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]  # nothing published, no partial left
+    finally:
+        hook.destroy(handle)
