@@ -160,8 +160,8 @@ def test_an_export_in_place_gives_the_files_to_the_worker(hook, sandbox, tmp_pat
     out = tmp_path / "out"
     tool = out / "s" / "tool"
     assert records[0].size_bytes == 2 + 300 + os.path.getsize("/bin/true")
-    assert stat.S_IMODE(tool.stat().st_mode) == 0o644  # no set-id bit, no exec bit
-    assert stat.S_IMODE((out / "s").stat().st_mode) == 0o755
+    assert stat.S_IMODE(tool.stat().st_mode) == 0o666 & ~_umask()  # no set-id bit, no exec bit
+    assert stat.S_IMODE((out / "s").stat().st_mode) == 0o777 & ~_umask()
     assert {p.stat().st_uid for p in out.rglob("*")} | {out.stat().st_uid} == {os.geteuid()}
     assert not [p for p in tmp_path.iterdir() if ".partial" in p.name]
 
@@ -204,24 +204,53 @@ def test_a_deep_tree_exports_and_a_failed_one_is_removed_whole(hook, sandbox, tm
     assert (tmp_path / "out" / "/".join(["x"] * 200) / "f").read_text() == "deep\n"
 
 
-def test_a_hostile_tar_in_the_export_launch_gets_nothing_past_the_checks(tmp_path):
-    # The Dag author put the workspace first on PATH; the code in the sandbox planted a "tar" there.
+_PLANTED = '#!/bin/sh\necho ran >> /workspace/hostile-ran\nexec /usr/bin/{name} "$@"\n'
+
+
+def test_programs_planted_on_the_dags_path_do_not_run_beside_worker_descriptors(tmp_path, monkeypatch):
+    # The Dag author put the workspace first on PATH; the code in the sandbox planted tar and cat there.
+    monkeypatch.setattr(_local_files, "DIRECT_COPY_BYTES", 1 << 10)
     hook = LocalSandboxHook(state_root=str(tmp_path / "state"))
     handle = hook.create(spec=SandboxSpec(env={"PATH": "/workspace/bin:/usr/bin:/bin"}))
     try:
-        planted = (
-            "#!/bin/sh\n"
-            'case "$*" in *-x*) ;; *) exec /usr/bin/tar "$@" ;; esac\n'
-            "cat > /dev/null\n"
-            "echo ran > /workspace/hostile-ran\n"
-            "mkdir -p /.airflow-export/0 && ln -s /etc/passwd /.airflow-export/0/passwd\n"
-            "echo x > /.airflow-export/0/setuid && chmod 4777 /.airflow-export/0/setuid\n"
-        )
-        stage_files(hook, handle, {"bin/tar": planted})
-        _run(hook, handle, "chmod 755 bin/tar && mkdir d && echo a > d/a")
-        with pytest.raises(SandboxTerminalError, match="symbolic link"):
-            export_files(hook, handle, {"d": f"file://{tmp_path}/out/"})
-        assert _run(hook, handle, "cat hostile-ran") == "ran\n"  # positive control: the planted tar ran
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]  # nothing published, no partial left
+        stage_files(hook, handle, {"bin/tar": _PLANTED.format(name="tar"), "bin/cat": _PLANTED.format(name="cat")})
+        _run(hook, handle, "chmod 755 bin/tar bin/cat && mkdir d && echo a > d/a && echo x | cat > /dev/null")
+        assert _run(hook, handle, "/usr/bin/cat hostile-ran") == "ran\n"  # positive control: they run in commands
+        big = tmp_path / "big.bin"
+        big.write_bytes(b"b" * 4096)
+        stage_inputs(hook, handle, {"big.bin": f"file://{big}"})  # by descriptor: the worker's cat only
+        export_files(hook, handle, {"d": f"file://{tmp_path}/out/"})  # in place: the worker's tar only
+        assert _run(hook, handle, "/usr/bin/cat hostile-ran") == "ran\n"
+        assert (tmp_path / "out" / "a").read_text() == "a\n"
     finally:
         hook.destroy(handle)
+
+
+def test_the_check_after_an_export_refuses_what_a_hostile_launch_could_leave(tmp_path):
+    from sandbox_provider.hooks import _local_export
+    from sandbox_provider.sandbox.batch import ExportLimits, ExportRequest
+
+    limits = ExportLimits(max_file_bytes=1 << 20, max_total_bytes=1 << 20)
+    request = ExportRequest("d", "tree")
+    for name, make in (
+        ("symbolic link", lambda d: os.symlink("/etc/passwd", d / "passwd")),
+        ("named pipe", lambda d: os.mkfifo(d / "pipe")),
+    ):
+        top = tmp_path / name.replace(" ", "-")
+        (top / "sub").mkdir(parents=True)
+        (top / "ok").write_text("ok")
+        make(top / "sub")
+        with pytest.raises(Exception, match=name):
+            _local_export.adopt([str(top)], [request], limits)
+    top = tmp_path / "setuid"
+    top.mkdir()
+    (top / "tool").write_text("x")
+    os.chmod(top / "tool", 0o6777)
+    assert _local_export.adopt([str(top)], [request], limits) == [{"tool": 1}]
+    assert stat.S_IMODE((top / "tool").stat().st_mode) == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -179,7 +179,8 @@ class LocalFiles:
             if fd is None or source.tell() != 0:  # through the pipe after all, from the stream already open
                 return self.import_batch(handle, [dataclasses.replace(entry, open=lambda: source, local_path=None)])
             script = guest.shell_command("write.sh", "copy", entry.path, entry.size)
-            result = self._script(handle, script, stdin_fd=os.dup(fd), timeout=_BATCH_TIMEOUT)
+            # The base environment only: nothing the Dag's environment names runs beside the worker's descriptor.
+            result = self._script(handle, script, stdin_fd=os.dup(fd), timeout=_BATCH_TIMEOUT, base_env_only=True)
         finally:
             source.close()
         if result.exit_code == 3:
@@ -201,8 +202,13 @@ class LocalFiles:
         binds = local_export.prepare(directories, self.uid_of(handle) if os.geteuid() == 0 else None)
         try:
             script = guest.shell_command("export_into.sh", local_export.MOUNT, guest.program("export_tree.sh"), *args)
-            result = self._script(
-                handle, script, timeout=_BATCH_TIMEOUT, binds=binds, max_file_bytes=limits.max_file_bytes + 1
+            result = self._script(  # the base environment only: no program the Dag's PATH names runs here
+                handle,
+                script,
+                timeout=_BATCH_TIMEOUT,
+                binds=binds,
+                max_file_bytes=limits.max_file_bytes + 1,
+                base_env_only=True,
             )
             if result.sandbox_terminated:
                 raise SandboxTerminalError(f"The sandbox ended while exporting {requests[0].path!r}.")

@@ -569,13 +569,16 @@ class LocalSandboxHook(GatewayEgress, LocalFiles, ShellFiles, Attachable, Sandbo
         stdout_fd: int | None = None,
         max_file_bytes: int | None = None,
         binds: Sequence[tuple[str, str]] = (),
+        base_env_only: bool = False,
     ) -> RunOutcome:
         """
         Run ``argv`` in the sandbox for at most ``timeout`` seconds. Standard input streams from
         ``stdin``, or is the descriptor ``stdin_fd`` (closed here once the launch has it); standard
         output goes into ``output``, or straight into the descriptor ``stdout_fd`` (the worker never
         reads it). ``binds``: ``(worker directory, path inside)`` pairs mounted writable for this
-        launch only.
+        launch only. ``base_env_only``: without ``spec.env``, for the worker's own programs when they
+        hold a worker descriptor or directory, so no program or library that environment names
+        (``PATH``, ``LD_PRELOAD``) runs beside them.
         """
         try:
             plan = self._plan(handle)
@@ -593,7 +596,7 @@ class LocalSandboxHook(GatewayEgress, LocalFiles, ShellFiles, Attachable, Sandbo
                 plan.tools,
                 plans.with_binds(plan.bwrap_argv, binds),
                 [*plan.prefix, *argv],
-                env=plan.env,
+                env=driver.base_env(self.workdir) if base_env_only else plan.env,
                 rlimits=rlimits,
                 uid=plan.uid if self._drops_root else None,
                 placement=placement,
