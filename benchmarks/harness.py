@@ -50,25 +50,34 @@ def compare(
     *,
     rounds: int = 7,
     warmup: int = 1,
+    setup: Callable[[], object] | None = None,
 ) -> Comparison:
     """
     Time ``ours`` and ``baseline`` alternately for ``rounds`` rounds (at least 5), after ``warmup``
     untimed rounds of each; a round starts with ``ours`` on even rounds and ``baseline`` on odd ones.
+    ``setup``, when given, runs untimed before every call of either side (to clear what the last
+    call left, say, so neither side pays for the other's).
     """
     if rounds < 5:
         raise ValueError("use at least 5 rounds")
+
+    def timed(fn: Callable[[], object]) -> float:
+        if setup is not None:
+            setup()
+        return _time(fn)
+
     for _ in range(warmup):
-        ours()
-        baseline()
+        timed(ours)
+        timed(baseline)
     mine: list[float] = []
     theirs: list[float] = []
     for i in range(rounds):
         if i % 2 == 0:
-            mine.append(_time(ours))
-            theirs.append(_time(baseline))
+            mine.append(timed(ours))
+            theirs.append(timed(baseline))
         else:
-            theirs.append(_time(baseline))
-            mine.append(_time(ours))
+            theirs.append(timed(baseline))
+            mine.append(timed(ours))
     return Comparison(name, baseline_name, mine, theirs)
 
 

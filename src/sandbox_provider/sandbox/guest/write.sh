@@ -1,5 +1,7 @@
 # Write a file atomically: the bytes go to a temporary sibling first, renamed over the path at the
 # end, so a reader never sees half a file and a symlink at the path is replaced, not followed.
+# The new, empty sibling is opened without truncating it (1<>): ext4 flushes a file truncated to
+# zero and rewritten at close, which would cost a large copy its page-cache speed.
 #   stdin PATH [SIZE]   copy standard input to PATH; with SIZE, exactly SIZE bytes of it (for a
 #                       caller that cannot close the stream after them)
 #   copy PATH SIZE      copy standard input, a regular file, to PATH (cat copies in the kernel);
@@ -13,11 +15,11 @@ mode=$1
 case $mode in
   stdin)
     d=$(dirname -- "$2") && mkdir -p -- "$d" && t=$(mktemp "$d/.sandbox-write.XXXXXX") || exit 1
-    if { if [ -n "$3" ]; then head -c "$3"; else cat; fi; } > "$t" && mv -fT -- "$t" "$2"; then exit 0; fi
+    if { if [ -n "$3" ]; then head -c "$3"; else cat; fi; } 1<> "$t" && mv -fT -- "$t" "$2"; then exit 0; fi
     rm -f -- "$t"; exit 1 ;;
   copy)
     d=$(dirname -- "$2") && mkdir -p -- "$d" && t=$(mktemp "$d/.sandbox-write.XXXXXX") || exit 1
-    if cat > "$t"; then
+    if cat 1<> "$t"; then
       n=$(wc -c < "$t")
       if [ "$n" -ne "$3" ]; then
         rm -f -- "$t"; echo "write.sh: the source held $n bytes, not $3" >&2; exit 3
