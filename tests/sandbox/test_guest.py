@@ -59,6 +59,38 @@ def test_write_is_atomic_and_replaces_links(tmp_path):
     assert sorted(p.name for p in (tmp_path / "a/b").iterdir()) == ["c.txt"]
 
 
+def test_write_copies_a_file_on_standard_input_and_checks_its_size(tmp_path):
+    source = tmp_path / "source"
+    source.write_bytes(b"x" * 1000)
+    (tmp_path / "out").mkdir()
+    copy = f"{guest.shell_command('write.sh', 'copy', 'out/a/copy', 1000)} < {source}"
+    done = subprocess.run(copy, shell=True, cwd=tmp_path, capture_output=True, check=False)
+    assert done.returncode == 0 and (tmp_path / "out/a/copy").read_bytes() == b"x" * 1000
+    wrong = f"{guest.shell_command('write.sh', 'copy', 'out/b', 999)} < {source}"
+    refused = subprocess.run(wrong, shell=True, cwd=tmp_path, capture_output=True, check=False)
+    assert refused.returncode == 3 and b"held 1000 bytes, not 999" in refused.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a"]  # no temporary file left
+
+
+def test_export_into_extracts_each_request_under_its_index(tmp_path):
+    work = tmp_path / "work"
+    (work / "d" / "s").mkdir(parents=True)
+    (work / "d" / "a").write_text("a")
+    (work / "d" / "s" / "b").write_text("b")
+    (work / "x.csv").write_text("x")
+    into = tmp_path / "into"
+    (into / "0").mkdir(parents=True)
+    (into / "1").mkdir()
+    tree = guest.program("export_tree.sh")
+    done = sh("export_into.sh", into, tree, "tree", "d", "glob", "./\n*.csv", cwd=work)
+    assert done.returncode == 0, done.stderr
+    assert sorted(str(p.relative_to(into)) for p in into.rglob("*") if p.is_file()) == ["0/a", "0/s/b", "1/x.csv"]
+    missing = sh("export_into.sh", into, tree, "tree", "d", "tree", "nope", cwd=work)
+    assert missing.returncode == guest.MISSING_STATUS and b"sandbox-export-failed:1" in missing.stderr
+    nothing = sh("export_into.sh", into, tree, "glob", "./\n*.none", cwd=work)
+    assert nothing.returncode == 0  # an empty archive ends the stream: nothing matched is no failure
+
+
 def test_write_concatenates_pieces_a_file_api_wrote(tmp_path):
     temp = sh("write.sh", "start", "out.bin", cwd=tmp_path).stdout.decode().strip()
     (tmp_path / temp).write_bytes(b"\x00first|")
