@@ -1,0 +1,172 @@
+"""
+What ``bench_concurrency.py`` and ``bench_toolset.py`` share: the backends' hooks built the way the
+tests build them, the raw tools they are measured against (``bwrap`` with the local backend's
+namespaces and mounts, ``docker run --rm`` / ``docker exec`` of the same image with no network),
+and the count of what a run left behind on each backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Sequence
+
+IMAGE = os.environ.get("SANDBOX_DOCKER_IMAGE", "airflow-sandbox-python:bookworm")
+DOCKER_CONN_ID = "sandbox_docker_bench"
+os.environ.setdefault(
+    f"AIRFLOW_CONN_{DOCKER_CONN_ID.upper()}", json.dumps({"conn_type": "sandbox_docker", "extra": {"image": IMAGE}})
+)
+os.environ.setdefault("AIRFLOW__CORE__UNIT_TEST_MODE", "True")
+
+#: The label on the raw containers of one run, so a count sees only this run's.
+RAW_LABEL = "airflow_sandbox_bench_run"
+#: The lease directory the local backend uses by default on a root worker (one for the host).
+UID_LEASE_DIR = os.path.join(tempfile.gettempdir(), "airflow-sandbox-uids")
+
+BACKENDS = ("local", "docker")
+
+
+def run_tag() -> str:
+    """A tag naming this run of a benchmark script: its process id."""
+    return f"bench-{os.getpid()}"
+
+
+def provenance() -> str:
+    """Which ``sandbox_provider`` is measured: its directory and that checkout's commit."""
+    import sandbox_provider
+
+    where = os.path.dirname(os.path.abspath(sandbox_provider.__file__))
+    try:
+        commit = subprocess.run(
+            ["git", "-C", where, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", where, "status", "--porcelain", "--untracked-files=no", "--", "."],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit, dirty = "?", ""
+    return f"sandbox_provider from {where} (commit {commit}{', modified' if dirty else ''})"
+
+
+# -- the local backend ----------------------------------------------------------------------------------
+
+
+def local_root() -> str:
+    """A temporary directory for one run's state root and raw sandbox; a root worker's sandbox users pass through."""
+    root = tempfile.mkdtemp(prefix="sandbox-bench-")
+    os.chmod(root, 0o711)
+    return root
+
+
+def local_hook(root: str, cgroup_parent: str):
+    """A ``LocalSandboxHook`` on ``<root>/state`` whose cgroups go under ``cgroup_parent`` (this run's own)."""
+    from sandbox_provider.hooks.local import LocalSandboxHook
+
+    return LocalSandboxHook(state_root=os.path.join(root, "state"), cgroup_parent=cgroup_parent)
+
+
+def raw_bwrap(root: str) -> Callable[[Sequence[str]], subprocess.CompletedProcess]:
+    """
+    The raw tool under the local backend: ``bwrap`` with the namespaces and read-only system mounts
+    the backend uses, on a plain directory in ``root``, as an unprivileged user of the kind the
+    backend uses (a root worker's sandboxes get ids of its range), dropped to it with ``setpriv``
+    as the backend does. Returns a function running one argv that way, output captured.
+    """
+    from sandbox_provider.hooks import _local_driver as driver
+    from sandbox_provider.hooks._local_ids import DEFAULT_UID_RANGE, parse_uid_range
+
+    raw_uid = parse_uid_range(DEFAULT_UID_RANGE)[1] if os.geteuid() == 0 else os.getuid()
+    box = os.path.join(root, "raw", "box")
+    for sub in ("", "workspace", "tmp"):
+        os.makedirs(os.path.join(box, sub), mode=0o700, exist_ok=True)
+        os.chown(os.path.join(box, sub), raw_uid, raw_uid)
+    os.chmod(os.path.join(root, "raw"), 0o711)
+    argv = driver.bwrap_argv(
+        shutil.which("bwrap"),
+        box=box,
+        workdir="/workspace",
+        binds=driver.system_binds(None, "/workspace", False),
+        network=False,
+        shm_bytes=64 << 20,
+    )
+    drop = ["setpriv", f"--reuid={raw_uid}", f"--regid={raw_uid}", "--clear-groups"] if os.geteuid() == 0 else []
+
+    def run(command: Sequence[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [*drop, *argv, "--", *command], capture_output=True, stdin=subprocess.DEVNULL, env=driver.BWRAP_ENV
+        )
+
+    return run
+
+
+def local_leftovers(root: str, cgroup_parent: str) -> dict[str, int]:
+    """
+    What is left of the local sandboxes of a run: entries of its state root, id leases whose
+    sandbox lies in it, and sandbox cgroups under its own ``cgroup_parent`` (each controller's).
+    """
+    from sandbox_provider.hooks import _local_cgroups as cgroups
+
+    state_root = os.path.join(root, "state")
+    entries = os.listdir(state_root) if os.path.isdir(state_root) else []
+    leases = 0
+    if os.path.isdir(UID_LEASE_DIR):
+        for name in os.listdir(UID_LEASE_DIR):
+            try:
+                target = os.readlink(os.path.join(UID_LEASE_DIR, name))
+            except OSError:
+                continue
+            leases += target.startswith(state_root + os.sep)
+    groups = 0
+    found = cgroups.probe(cgroup_parent)
+    for parent in found.parents.values() if found is not None else ():
+        if os.path.isdir(parent):
+            groups += sum(1 for entry in os.scandir(parent) if entry.is_dir())
+    return {"state root entries": len(entries), "uid leases": leases, "cgroups": groups}
+
+
+# -- the Docker backend ---------------------------------------------------------------------------------
+
+
+def docker_hook(sandbox_uid: int):
+    """
+    A ``DockerSandboxHook`` on the bench connection (the image, defaults otherwise), built as the
+    tests build it (``pull="never"``); its commands run as ``sandbox_uid``, which its containers
+    carry in a label, so a count finds this run's containers among everyone else's.
+    """
+    from sandbox_provider.hooks.docker import DockerSandboxHook
+
+    return DockerSandboxHook(DOCKER_CONN_ID, pull="never", sandbox_uid=sandbox_uid)
+
+
+def bench_uid() -> int:
+    """A sandbox user id for this run's Docker sandboxes, unlike the default 65432 and other runs'."""
+    return 61000 + os.getpid() % 4000
+
+
+def docker_run_argv(tag: str, command: Sequence[str]) -> list[str]:
+    """``docker run --rm`` of the image with no network, labelled with this run's ``tag``."""
+    return ["docker", "run", "--rm", "--network", "none", "--label", f"{RAW_LABEL}={tag}", IMAGE, *command]
+
+
+def docker_leftovers(client, sandbox_uid: int, tag: str) -> dict[str, int]:
+    """Containers of a run still on the Engine, in any state: the hook's (by user label) and the raw ones."""
+    from sandbox_provider.hooks import _docker_driver as driver
+
+    ours = client.containers.list(all=True, filters={"label": f"{driver.USER_LABEL}={sandbox_uid}:{sandbox_uid}"})
+    raw = client.containers.list(all=True, filters={"label": f"{RAW_LABEL}={tag}"})
+    return {"hook containers": len(ours), "raw containers": len(raw)}
+
+
+def docker_client():
+    """A Docker SDK client to the worker's Engine, checked to have the image."""
+    import docker
+
+    client = docker.from_env(version="auto", timeout=120)
+    client.images.get(IMAGE)
+    return client
