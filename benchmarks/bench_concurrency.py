@@ -20,6 +20,10 @@ the raw ones by a run label), so other people's containers on the same Engine ar
 Issue 14's goal for this figure: no errors, no leftovers, and the ratio within 10% of the
 reference tree's (run this script on both and compare the medians).
 
+To measure another tree of the provider (the reference commit, say) with these same scripts, put
+its ``src`` first: ``PYTHONPATH=<tree>/src .venv/bin/python benchmarks/<script>``; the first line
+printed names the tree measured.
+
 One warm-up sandbox per side runs alone before the rounds (imports, probes, first connection);
 the rounds themselves have no warm-up, so the default run stays near three minutes.
 """

@@ -1,8 +1,9 @@
 """
 What ``bench_concurrency.py`` and ``bench_toolset.py`` share: the backends' hooks built the way the
 tests build them, the raw tools they are measured against (``bwrap`` with the local backend's
-namespaces and mounts, ``docker run --rm`` / ``docker exec`` of the same image with no network),
-and the count of what a run left behind on each backend.
+namespaces and mounts as they were at commit 0af3f6f, ``docker run --rm`` of the same image with
+no network), and the count of what a run left behind on each backend. The raw floors use none of
+the provider's code, so a run on another tree of the provider measures against the same floor.
 """
 
 from __future__ import annotations
@@ -71,36 +72,63 @@ def local_hook(root: str, cgroup_parent: str):
     return LocalSandboxHook(state_root=os.path.join(root, "state"), cgroup_parent=cgroup_parent)
 
 
+#: The raw floor's read-only system mounts and ``/etc`` entries: the local backend's at commit 0af3f6f,
+#: written out so the floor stays the same whichever tree of the provider is measured.
+RAW_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+RAW_ETC_ENTRIES = (
+    *("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "timezone", "passwd", "group"),
+    *("nsswitch.conf", "hosts", "host.conf", "protocols", "services", "ssl", "ca-certificates"),
+    *("ca-certificates.conf", "mime.types", "os-release", "debian_version", "lsb-release"),
+    *("python3", "python3.11", "python3.12", "python3.13"),
+)
+#: The last id of the local backend's default uid range: the kind of user a root worker's sandboxes run as.
+RAW_UID = 1900000000 + 65535
+
+
+def _ro(source: str) -> list[str]:
+    if os.path.islink(source):
+        return ["--symlink", os.readlink(source), source]
+    return ["--ro-bind", source, source] if os.path.exists(source) else []
+
+
+def raw_bwrap_argv(box: str) -> list[str]:
+    """
+    ``bwrap`` with the namespaces, mounts and options the local backend gave a command at commit
+    0af3f6f (new user, PID, IPC, UTS, cgroup and network namespaces, no capabilities, the system
+    read-only, ``/proc``, ``/dev``, a 64 MiB ``/dev/shm``, ``box``'s ``tmp`` and ``workspace``, an
+    empty environment), without its user id lease, cgroup, system-call filter or keyring.
+    """
+    args = [shutil.which("bwrap") or "bwrap", "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts"]
+    args += ["--unshare-cgroup-try", "--disable-userns", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    args += ["--hostname", "sandbox", "--unshare-net"]
+    for directory in RAW_SYSTEM_DIRS:
+        args += _ro(directory)
+    for entry in RAW_ETC_ENTRIES:
+        args += _ro(os.path.join("/etc", entry))
+    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(64 << 20), "--tmpfs", "/dev/shm"]
+    args += ["--bind", os.path.join(box, "tmp"), "/tmp", "--bind", os.path.join(box, "workspace"), "/workspace"]
+    return [*args, "--remount-ro", "/", "--chdir", "/workspace", "--clearenv"]
+
+
 def raw_bwrap(root: str) -> Callable[[Sequence[str]], subprocess.CompletedProcess]:
     """
-    The raw tool under the local backend: ``bwrap`` with the namespaces and read-only system mounts
-    the backend uses, on a plain directory in ``root``, as an unprivileged user of the kind the
-    backend uses (a root worker's sandboxes get ids of its range), dropped to it with ``setpriv``
-    as the backend does. Returns a function running one argv that way, output captured.
+    The raw tool under the local backend: :func:`raw_bwrap_argv` on a plain directory in ``root``,
+    as an unprivileged user of the kind the backend uses when the worker is root, dropped to it
+    with ``setpriv`` as the backend does. Returns a function running one argv that way, its
+    output captured.
     """
-    from sandbox_provider.hooks import _local_driver as driver
-    from sandbox_provider.hooks._local_ids import DEFAULT_UID_RANGE, parse_uid_range
-
-    raw_uid = parse_uid_range(DEFAULT_UID_RANGE)[1] if os.geteuid() == 0 else os.getuid()
+    raw_uid = RAW_UID if os.geteuid() == 0 else os.getuid()
     box = os.path.join(root, "raw", "box")
     for sub in ("", "workspace", "tmp"):
         os.makedirs(os.path.join(box, sub), mode=0o700, exist_ok=True)
         os.chown(os.path.join(box, sub), raw_uid, raw_uid)
     os.chmod(os.path.join(root, "raw"), 0o711)
-    argv = driver.bwrap_argv(
-        shutil.which("bwrap"),
-        box=box,
-        workdir="/workspace",
-        binds=driver.system_binds(None, "/workspace", False),
-        network=False,
-        shm_bytes=64 << 20,
-    )
+    argv = raw_bwrap_argv(box)
     drop = ["setpriv", f"--reuid={raw_uid}", f"--regid={raw_uid}", "--clear-groups"] if os.geteuid() == 0 else []
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
 
     def run(command: Sequence[str]) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [*drop, *argv, "--", *command], capture_output=True, stdin=subprocess.DEVNULL, env=driver.BWRAP_ENV
-        )
+        return subprocess.run([*drop, *argv, "--", *command], capture_output=True, stdin=subprocess.DEVNULL, env=env)
 
     return run
 
