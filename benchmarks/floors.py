@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Sequence
 
@@ -198,3 +199,78 @@ def docker_client():
     client = docker.from_env(version="auto", timeout=120)
     client.images.get(IMAGE)
     return client
+
+
+# -- two trees of the provider, interleaved ----------------------------------------------------------------
+
+
+class TreeWorker:
+    """
+    A benchmark script run again in a child process on one tree of the provider (``src`` put first
+    on its ``PYTHONPATH``; None: the tree this process imports), serving named actions one at a
+    time (see :func:`serve`). The parent times each :meth:`do`, so two workers on two trees run
+    interleaved in one ``harness.compare``; a request costs a pipe round trip (well under 1 ms).
+    """
+
+    def __init__(self, script: str, src: str | None, argv: Sequence[str]) -> None:
+        env = dict(os.environ)
+        if src is not None:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.abspath(src), env.get("PYTHONPATH")) if p)
+        command = [sys.executable, os.path.abspath(script), "--serve", *argv]
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.tree = self._reply()
+
+    def _reply(self) -> str:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the benchmark worker ended early with exit status {self.proc.wait()}")
+        reply = json.loads(line)
+        if not reply["ok"]:
+            raise RuntimeError(f"the benchmark worker failed: {reply['text']}")
+        return reply["text"]
+
+    def do(self, action: str) -> str:
+        """Have the worker run ``action``; return its text. :raises RuntimeError: when the action failed."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(action + "\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> str:
+        """End the worker; return its closing report (errors, leftovers)."""
+        report = self.do("quit")
+        self.proc.wait(timeout=300)
+        return report
+
+
+def serve(setup: Callable[[], tuple[dict[str, Callable[[], object]], Callable[[], str]]]) -> int:
+    """
+    The worker side of :class:`TreeWorker`: ``setup()`` returns the actions by name and the
+    function that closes everything and returns the report. Each request line names an action
+    (``quit`` ends); each reply is one JSON line, ``{"ok": ..., "text": ...}``, on the original
+    standard output, which is kept for replies (anything else printed goes to standard error).
+    """
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def reply(ok: bool, text: str) -> None:
+        replies.write(json.dumps({"ok": ok, "text": text}) + "\n")
+
+    try:
+        actions, finish = setup()
+    except Exception as err:
+        reply(False, f"setup: {type(err).__name__}: {err}")
+        return 1
+    reply(True, provenance())
+    for line in sys.stdin:
+        name = line.strip()
+        if name == "quit":
+            break
+        try:
+            reply(True, str(actions[name]() or ""))
+        except Exception as err:
+            reply(False, f"{name}: {type(err).__name__}: {err}")
+    reply(True, finish())
+    return 0
