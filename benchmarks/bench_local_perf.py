@@ -137,7 +137,7 @@ def staging_rows(hook: LocalSandboxHook, root: str, *, rounds: int, files: int, 
     return rows
 
 
-def _raw_bwrap(root: str) -> list[str]:
+def raw_bwrap(root: str) -> list[str]:
     """The raw tool with this backend's namespaces and mounts, as the same kind of user, on a plain box."""
     uid = parse_uid_range(DEFAULT_UID_RANGE)[1] if os.geteuid() == 0 else os.getuid()
     box = os.path.join(root, "raw", "box")
@@ -169,7 +169,7 @@ def task_rows(hook: LocalSandboxHook, root: str, *, rounds: int) -> list[Row]:
     sandboxed, external = dag.tasks
     ti = mock.MagicMock(dag_id="bench", run_id="r", task_id="add", map_index=-1)
     context = {"ti": ti, "run_id": "r"}
-    raw = _raw_bwrap(root)
+    raw = raw_bwrap(root)
 
     def ours() -> None:
         assert sandboxed.execute(context) == 5
