@@ -178,10 +178,27 @@ def _add_personality_rules(sc, flt, action: int) -> None:
                 flt.add_rule(action, "personality", sc.Arg(0, sc.MASKED_EQ, flag | other, flag))
 
 
+def _as_tree(sc, flt) -> None:
+    """
+    Ask libseccomp (2.5 and later) to sort the system call numbers into a binary tree: the kernel
+    then checks and caches the program in about half the time at each launch (bwrap loads it twice),
+    and a call of the sandbox meets a few comparisons rather than one per listed call. The rules are
+    the same; an older libseccomp keeps its linear order.
+    """
+    attr = getattr(getattr(sc, "Attr", None), "CTL_OPTIMIZE", None)
+    if attr is None:
+        return
+    try:
+        flt.set_attr(attr, 2)
+    except (OSError, RuntimeError, ValueError):  # pyseccomp raises OSError, the distribution's binding RuntimeError
+        pass
+
+
 @functools.lru_cache(maxsize=1)
 def _built() -> tuple[bytes, tuple[str, ...]]:
     sc = _binding()
     flt = sc.SyscallFilter(sc.ALLOW)
+    _as_tree(sc, flt)
     for arch in _companion_arches(sc):
         if not flt.exist_arch(arch):
             flt.add_arch(arch)
