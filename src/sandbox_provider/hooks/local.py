@@ -44,6 +44,7 @@ from sandbox_provider.hooks import _local_plan as plans
 from sandbox_provider.hooks import _local_state as state
 from sandbox_provider.hooks._local_files import LocalFiles
 from sandbox_provider.hooks._local_ids import IdLeases, parse_uid_range
+from sandbox_provider.hooks._local_reads import HostReads
 from sandbox_provider.hooks.forms.local import FORM
 from sandbox_provider.sandbox import egress
 from sandbox_provider.sandbox.attach import Attachable
@@ -73,7 +74,7 @@ _EXPORT_MIN_RATE = 1024 * 1024  # bytes per second a local export is allowed to 
 _LEASE_SWEEP_EVERY = 60.0  # seconds between lease sweeps on the create path
 
 
-class LocalSandboxHook(GatewayEgress, LocalFiles, ShellFiles, Attachable, SandboxHook):
+class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attachable, SandboxHook):
     """
     Sandboxes on the worker, isolated with bubblewrap. Attachable by tasks on the same host.
 
