@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import marshal
 import subprocess
 import sys
 
@@ -110,13 +111,77 @@ def test_list_records(tmp_path):
     assert sh("list.sh", "f", cwd=tmp_path).returncode == guest.MISSING_STATUS
 
 
-def test_task_runner_round_trip(tmp_path):
-    (tmp_path / "fn.py").write_text("def add(a, b):\n    return {'sum': a + b}\n")
-    (tmp_path / "call.json").write_text(json.dumps({"args": [1, 2], "kwargs": {}}))
+def _run_task(tmp_path, source, args=(), kwargs=None):
+    (tmp_path / "fn.py").write_text(source)
+    (tmp_path / "call.marshal").write_bytes(marshal.dumps({"args": list(args), "kwargs": kwargs or {}}, 2))
     runner = tmp_path / "runner.py"
     runner.write_text(guest.program("task_runner.py"))
-    done = subprocess.run(
-        [sys.executable, str(runner), "fn.py", "add", "call.json", "result.json"], cwd=tmp_path, check=False
+    return subprocess.run(
+        [sys.executable, str(runner), "fn.py", "fn", "call.marshal", "result.json"],
+        cwd=tmp_path,
+        capture_output=True,
+        check=False,
     )
-    assert done.returncode == 0
+
+
+def test_task_runner_round_trip(tmp_path):
+    done = _run_task(tmp_path, "def fn(a, b):\n    return {'sum': a + b}\n", [1, 2])
+    assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "result.json").read_text()) == {"sum": 3}
+
+
+def test_task_runner_starts_without_importing_json(tmp_path):
+    done = _run_task(
+        tmp_path, "import sys\ndef fn():\n    return sorted(m for m in sys.modules if m in ('json', 're'))\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "result.json").read_text()) == []
+
+
+RESULTS = [
+    None,
+    True,
+    False,
+    0,
+    -12,
+    10**40,
+    1.5,
+    -0.0,
+    1e16,
+    1e-7,
+    "",
+    "plain words 123 ~!@#$%^&*()",
+    'a "quote"',
+    "back\\slash",
+    "tab\tnewline\n",
+    "\x7f",
+    "caf\u00e9 \u2603 \U0001f600",
+    "\ud800",
+    [],
+    [1, [2, [3, {}]], "x"],
+    (1, 2),
+    {"a": 1, "b": [True, None], "c": {"d": "e"}},
+    {7: "int key", 2.5: "float key", True: "bool key", None: "none key"},
+    {"\u00e9": "non-ASCII key"},
+    [[[[[[[[[[1]]]]]]]]]],
+]
+
+
+def test_task_runner_writes_what_json_writes(tmp_path):
+    """Its own writer, for plain values, and json for the rest: the same text as json.dumps every time."""
+    source = "def fn():\n    return " + repr(RESULTS) + "\n"
+    done = _run_task(tmp_path, source)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "result.json").read_text() == json.dumps(RESULTS, allow_nan=False)
+    for value in RESULTS:
+        done = _run_task(tmp_path, "def fn():\n    return " + repr(value) + "\n")
+        assert done.returncode == 0, done.stderr
+        assert (tmp_path / "result.json").read_text() == json.dumps(value, allow_nan=False), value
+
+
+@pytest.mark.parametrize("value", ["float('nan')", "float('inf')", "[1, {2, 3}]", "object()", "{(1, 2): 3}"])
+def test_task_runner_refuses_what_json_refuses(tmp_path, value):
+    done = _run_task(tmp_path, f"def fn():\n    return {value}\n")
+    assert done.returncode == 1
+    assert b"cannot be sent back as JSON" in done.stderr
+    assert not (tmp_path / "result.json").exists()

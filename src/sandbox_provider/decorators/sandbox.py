@@ -2,8 +2,9 @@
 ``@task.sandbox``: run a Python function's body inside a sandbox.
 
 The function's source is shipped into the sandbox and run there by the sandbox's own Python (the
-``python`` option). Arguments go in as JSON and the return value comes back as JSON; nothing is
-ever unpickled from a sandbox. The function must therefore be self-contained: import what it
+``python`` option). Arguments go in as JSON values (in marshal's format, which that Python reads
+without an import) and the return value comes back as JSON; nothing is ever unpickled from a
+sandbox. The function must therefore be self-contained: import what it
 needs inside its body, and take and return JSON values (dicts with string keys, lists, strings,
 numbers, booleans, None).
 """
@@ -14,6 +15,7 @@ import ast
 import datetime
 import inspect
 import json
+import marshal
 import math
 import os
 import secrets
@@ -41,6 +43,8 @@ __all__ = ["sandbox_task"]
 #: Default cap on the JSON return value, in bytes.
 DEFAULT_MAX_RESULT_BYTES = 1024 * 1024
 _FUTURE = "from __future__ import annotations\n"
+#: marshal's format version 2 (no shared references), which every Python 3 reads.
+_MARSHAL_VERSION = 2
 #: Where a call's files live, relative to the sandbox's working directory.
 _TASK_DIR = ".airflow-sandbox-task"
 
@@ -261,7 +265,9 @@ class _SandboxDecoratedOperator(DecoratedOperator, SandboxOperator):
 
     def _prepare(self, context: Context) -> tuple[str, Mapping[str, str | bytes]]:
         source, name, first_line = shipped_source(self.python_callable)
-        call = json.dumps(self._call_arguments(context), allow_nan=False)
+        # The values as JSON would carry them (tuples become lists, say), in marshal's format, which the
+        # sandbox's Python reads without importing anything.
+        call = marshal.dumps(json.loads(json.dumps(self._call_arguments(context), allow_nan=False)), _MARSHAL_VERSION)
         directory = f"{_TASK_DIR}/{secrets.token_hex(6)}"
         self._call_dir = directory
         module_file = os.path.basename(inspect.getsourcefile(self.python_callable) or "task.py")
@@ -274,7 +280,7 @@ class _SandboxDecoratedOperator(DecoratedOperator, SandboxOperator):
             **self.files,
             source_path: header + source,
             f"{directory}/runner.py": guest.program("task_runner.py"),
-            f"{directory}/call.json": call,
+            f"{directory}/call.marshal": call,
         }
         command = " ".join(
             shlex.quote(part)
@@ -283,7 +289,7 @@ class _SandboxDecoratedOperator(DecoratedOperator, SandboxOperator):
                 f"{directory}/runner.py",
                 source_path,
                 name,
-                f"{directory}/call.json",
+                f"{directory}/call.marshal",
                 f"{directory}/result.json",
             )
         )
