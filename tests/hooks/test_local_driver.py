@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -208,3 +209,25 @@ def test_a_worker_that_may_not_make_keyrings_says_so_once_and_runs(monkeypatch, 
         assert _run("echo ran")[1] == "ran\n"
         assert _run("echo ran")[1] == "ran\n"
     assert len([r for r in caplog.records if "may not make kernel keyrings" in r.message]) == 1
+
+
+def test_a_pipe_grows_only_once_a_read_finds_it_full():
+    import fcntl
+
+    read_end, write_end = os.pipe()
+    got: list[bytes] = []
+    reader = _local_driver.bytes_reader(got.append)
+    try:
+        os.write(write_end, b"short")
+        assert reader(read_end) and got == [b"short"]
+        assert fcntl.fcntl(read_end, fcntl.F_GETPIPE_SZ) == 64 * 1024  # a short output costs no resize
+        os.set_blocking(write_end, False)
+        written = 0
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                written += os.write(write_end, b"x" * 4096)
+        assert reader(read_end) and len(got[-1]) == written == 64 * 1024
+        assert fcntl.fcntl(read_end, fcntl.F_GETPIPE_SZ) == 1024 * 1024  # a big one: fewer wake-ups from now on
+    finally:
+        os.close(read_end)
+        os.close(write_end)

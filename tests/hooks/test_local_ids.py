@@ -42,6 +42,21 @@ def test_lease_release_and_owner_check(tmp_path):
     assert oct(os.stat(tmp_path / "ids").st_mode & 0o777) == "0o700"
 
 
+def test_a_lease_directory_removed_after_first_use_is_made_again(tmp_path):
+    import shutil
+
+    from sandbox_provider.hooks._local_ids import shared_leases
+
+    directory = str(tmp_path / "ids")
+    leases = shared_leases(directory, 1_900_000_000, 1_900_000_009)
+    assert shared_leases(directory, 1_900_000_000, 1_900_000_009) is leases  # one per worker process
+    leases.lease("/state/a")
+    shutil.rmtree(directory)  # a temp cleaner, say
+    uid = leases.lease("/state/b")
+    assert leases.leases() == {uid: "/state/b"}
+    assert oct(os.stat(directory).st_mode & 0o777) == "0o700"
+
+
 def test_ids_of_accounts_are_never_leased(tmp_path):
     taken = os.getuid() if os.getuid() >= 1000 else pwd.getpwnam("nobody").pw_uid
     leases = IdLeases(str(tmp_path / "ids"), taken, taken)

@@ -104,15 +104,29 @@ def write_json(path: str, data: Mapping[str, Any]) -> None:
     os.replace(tmp, path)
 
 
+#: A pipe's default capacity: a read that fills it means the output is a big one.
+_PIPE_DEFAULT = 64 * 1024
+_PIPE_BIG = 1024 * 1024
+
+
 def bytes_reader(callback: Callable[[bytes], None]) -> Callable[[int], bool]:
-    """A pipe reader for :func:`pump` that hands each piece read to ``callback``."""
+    """
+    A pipe reader for :func:`pump` that hands each piece read to ``callback``. The first time a read
+    finds the pipe full, the pipe grows to 1 MiB: fewer wake-ups for a large output, and nothing
+    spent on the many short ones.
+    """
+    grown = [False]
 
     def read(fd: int) -> bool:
         try:
-            data = os.read(fd, 1024 * 1024)
+            data = os.read(fd, _PIPE_BIG)
         except BlockingIOError:
             return True
         if data:
+            if len(data) >= _PIPE_DEFAULT and not grown[0]:
+                grown[0] = True
+                with contextlib.suppress(OSError):
+                    fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_BIG)
             callback(data)
         return bool(data)
 
@@ -144,8 +158,6 @@ def pump(proc: subprocess.Popen, readers: dict[Any, Callable[[int], bool]], budg
     with selectors.DefaultSelector() as selector:
         for pipe, reader in readers.items():
             os.set_blocking(pipe.fileno(), False)
-            with contextlib.suppress(OSError):  # bigger pipes: fewer wake-ups on large outputs
-                fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, 1024 * 1024)
             selector.register(pipe.fileno(), selectors.EVENT_READ, reader)
         selector.register(pidfd, selectors.EVENT_READ, None)
         open_pipes = len(readers)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import grp
 import os
 import pwd
@@ -30,7 +31,7 @@ from collections.abc import Callable, Iterator
 from sandbox_provider.hooks.forms.local import DEFAULT_UID_RANGE
 from sandbox_provider.sandbox.errors import SandboxTerminalError
 
-__all__ = ["DEFAULT_UID_RANGE", "IdLeases", "parse_uid_range"]
+__all__ = ["DEFAULT_UID_RANGE", "IdLeases", "parse_uid_range", "shared_leases"]
 _RANDOM_TRIES = 32
 _LOCK = ".lock"
 
@@ -64,6 +65,12 @@ def _unused_by_accounts(uid: int) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=8)
+def shared_leases(directory: str, first: int, last: int) -> IdLeases:
+    """The :class:`IdLeases` of ``directory`` for this worker process (its directory checked once)."""
+    return IdLeases(directory, first, last)
+
+
 class IdLeases:
     """
     Lease host uids from ``first``..``last`` (both included), one per sandbox, recorded in ``directory``.
@@ -79,16 +86,23 @@ class IdLeases:
         self.last = last
         self._checked = False
 
+    def _open_lock(self) -> int:
+        if not self._checked:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            info = os.lstat(self.directory)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+                raise OSError(errno.EPERM, "not a directory owned by this user")
+            self._checked = True
+        return os.open(os.path.join(self.directory, _LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         try:
-            if not self._checked:
-                os.makedirs(self.directory, mode=0o700, exist_ok=True)
-                info = os.lstat(self.directory)
-                if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
-                    raise OSError(errno.EPERM, "not a directory owned by this user")
-                self._checked = True
-            fd = os.open(os.path.join(self.directory, _LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            try:
+                fd = self._open_lock()
+            except FileNotFoundError:
+                self._checked = False  # removed since it was checked (a temp cleaner): made again
+                fd = self._open_lock()
         except OSError as err:
             raise SandboxTerminalError(
                 f"The sandbox id lease directory {self.directory!r} cannot be used ({err.strerror}); pass another "

@@ -114,21 +114,27 @@ def read_record(path: str) -> dict[str, Any]:
         raise SandboxTerminalError(f"Sandbox {os.path.basename(path)} has no readable record: {err}") from err
 
 
-def write_record(path: str, record: dict[str, Any]) -> None:
+def write_record(path: str, record: dict[str, Any], *, fresh: bool = False) -> None:
     """
     Replace the record of the sandbox directory ``path`` atomically (a rename), readable by the
     worker only. Its modification time is set to the sandbox's expiry (far ahead without one), so
     a sweep tells an expired sandbox by one ``stat``.
+
+    :param fresh: the directory is a ``.creating-`` one that has no record yet: the record is written
+        in place (no reader looks there until :func:`building` renames the whole directory into place).
     """
     target = os.path.join(path, RECORD)
-    tmp = f"{target}.{os.getpid()}.{threading.get_ident()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(record, f)
+    tmp = target if fresh else f"{target}.{os.getpid()}.{threading.get_ident()}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_EXCL if fresh else os.O_TRUNC)
+    fd = os.open(tmp, flags, 0o600)
     expires = expiry_of(record.get("stamps") or {})
     stamp = _NEVER if expires is None else expires
-    os.utime(tmp, (stamp, stamp))
-    os.replace(tmp, target)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(record, f)
+        f.flush()
+        os.utime(f.fileno(), (stamp, stamp))
+    if not fresh:
+        os.replace(tmp, target)
 
 
 def checked_root(root: str, mode: int, *, create: bool = False) -> str:
@@ -330,14 +336,17 @@ def remove_sandbox_dir(path: str) -> None:
     Remove a sandbox directory: the worker's files and the sandbox's /tmp first, the workspace
     (or the box holding it) last, then the directory. The caller has killed its processes. Idempotent.
     """
-    if not os.path.lexists(path):
+    try:
+        names = os.listdir(path)
+    except FileNotFoundError:
         return
-    for name in os.listdir(path):
+    for name in names:
         if name not in (BOX, "workspace"):
             remove_tree(os.path.join(path, name))
-    box = os.path.join(path, BOX)  # a sandbox with a disk budget keeps its workspace in it
-    _unmount(box)
-    remove_tree(box)
+    if BOX in names:  # a sandbox with a disk budget keeps its workspace in it
+        box = os.path.join(path, BOX)
+        _unmount(box)
+        remove_tree(box)
     remove_tree(os.path.join(path, "workspace"))
     remove_tree(path)
 

@@ -43,7 +43,7 @@ from sandbox_provider.hooks import _local_driver as driver
 from sandbox_provider.hooks import _local_plan as plans
 from sandbox_provider.hooks import _local_state as state
 from sandbox_provider.hooks._local_files import LocalFiles
-from sandbox_provider.hooks._local_ids import IdLeases, parse_uid_range
+from sandbox_provider.hooks._local_ids import IdLeases, parse_uid_range, shared_leases
 from sandbox_provider.hooks._local_reads import HostReads
 from sandbox_provider.hooks.forms.local import FORM
 from sandbox_provider.sandbox import egress
@@ -198,6 +198,7 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         self._leases_swept = 0.0
         self._bwrap_found: str | None = None
         self._plans: dict[str, plans.Plan] = {}
+        self._reachable: str | None = None  # the state root a root worker's sandboxes were shown to reach
 
     # -- settings --------------------------------------------------------------------------------------
 
@@ -291,7 +292,7 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         if not self._drops_root:
             return None
         first, last = plans.checked(self._resolved()["uid_range"], parse_uid_range)
-        return IdLeases(self._resolved()["uid_lease_dir"], first, last)
+        return shared_leases(self._resolved()["uid_lease_dir"], first, last)
 
     def uid_of(self, handle: str) -> int:
         """The host user id the sandbox's commands run as (the worker's own when it is not root)."""
@@ -386,8 +387,9 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         limits = self._new_limits()
         self._leases()  # a bad uid_range is refused before anything is made
         root = self._root(create=True)
-        if self._drops_root:
+        if self._drops_root and self._reachable != root:
             state.check_reachable(root)
+            self._reachable = root
         report = self._sweep(full=False)
         if report.failed:
             log.warning("Could not remove %d sandbox(es) under %s: %s", len(report.failed), root, report.failed)
@@ -446,7 +448,8 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
             if cgroups is not None:
                 cgroups.create(handle, cgroups_mod.SandboxLimits.of(limits))
             stamps = {**request.stamps, UID_TAG: str(uid)}
-            state.write_record(staging, {"stamps": stamps, "env": dict(request.spec.env or {}), "limits": dict(limits)})
+            record = {"stamps": stamps, "env": dict(request.spec.env or {}), "limits": dict(limits)}
+            state.write_record(staging, record, fresh=True)
         except BaseException:
             if cgroups is not None:
                 cgroups.remove(handle)
