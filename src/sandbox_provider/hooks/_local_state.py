@@ -130,7 +130,7 @@ def write_record(path: str, record: dict[str, Any], *, fresh: bool = False) -> N
     expires = expiry_of(record.get("stamps") or {})
     stamp = _NEVER if expires is None else expires
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(record, f)
+        f.write(json.dumps(record))  # dumps, not dump: the C encoder, one write
         f.flush()
         os.utime(f.fileno(), (stamp, stamp))
     if not fresh:
