@@ -42,8 +42,27 @@ def _summary(times: list[float]) -> str:
     return f"median {statistics.median(ms):7.2f} ms (min {min(ms):6.2f}, max {max(ms):7.2f})"
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its waited-for children so far, user and system, in seconds."""
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _counting_cpu(fn, spent: list[float]):
+    def timed() -> None:
+        start = _cpu_seconds()
+        fn()
+        spent.append(_cpu_seconds() - start)
+
+    return timed
+
+
 def lifecycle_row(hook: LocalSandboxHook, root: str, *, rounds: int) -> Comparison:
-    """create + ``true`` + destroy against the raw tool with the same mounts, interleaved; printed too."""
+    """
+    create + ``true`` + destroy against the raw tool with the same mounts, interleaved; printed too,
+    with the CPU time each side spent per round (worker and the programs it ran), which the load
+    of other work on the machine moves far less than the wall-clock time.
+    """
     raw = raw_bwrap(root)
 
     def ours() -> None:
@@ -55,13 +74,27 @@ def lifecycle_row(hook: LocalSandboxHook, root: str, *, rounds: int) -> Comparis
     def floor() -> None:
         subprocess.run([*raw, "true"], check=True, stdin=subprocess.DEVNULL, env=driver.BWRAP_ENV)
 
-    row = compare("create + true + destroy", ours, "raw bwrap true", floor, rounds=rounds)
+    cpu_ours: list[float] = []
+    cpu_raw: list[float] = []
+    row = compare(
+        "create + true + destroy",
+        _counting_cpu(ours, cpu_ours),
+        "raw bwrap true",
+        _counting_cpu(floor, cpu_raw),
+        rounds=rounds,
+    )
     ratios = row.ratios
+    cpu_ratios = [a / b for a, b in zip(cpu_ours[-rounds:], cpu_raw[-rounds:], strict=True) if b > 0]
     print(f"lifecycle  raw bwrap true:      {_summary(row.baseline)}")
     print(f"           create+true+destroy: {_summary(row.ours)}")
     print(
         f"           per-round ratio: median {statistics.median(ratios):.2f}x (min {min(ratios):.2f}, "
-        f"max {max(ratios):.2f}, n={len(ratios)}) (goal: median <= 1.5x)",
+        f"max {max(ratios):.2f}, n={len(ratios)}) (goal: median <= 1.5x)"
+    )
+    print(
+        f"           CPU per round: raw {statistics.median(cpu_raw[-rounds:]) * 1000:.2f} ms, ours "
+        f"{statistics.median(cpu_ours[-rounds:]) * 1000:.2f} ms, per-round ratio median "
+        f"{statistics.median(cpu_ratios):.2f}x",
         flush=True,
     )
     return row

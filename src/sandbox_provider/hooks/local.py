@@ -459,23 +459,24 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
             raise
 
     def _destroy(self, handle: str) -> None:
-        self._plans.pop(handle, None)
+        plan = self._plans.pop(handle, None)
         root = self._root()
         trash = state.mark_destroyed(root, handle)
         if trash is not None:
-            self._teardown(handle, trash, wait=True)
+            known = plan.uid if plan is not None and plan.path == os.path.join(root, handle) else None
+            self._teardown(handle, trash, wait=True, uid=known)
 
-    def _teardown(self, handle: str, path: str, *, wait: bool) -> bool:
+    def _teardown(self, handle: str, path: str, *, wait: bool, uid: int | None = None) -> bool:
         """
         Finish off a sandbox under its ``.destroyed-`` or ``.creating-`` name: kill what runs, remove
-        its cgroup, its files (the workspace last) and release its user id. False if another live
-        worker holds it (``wait=False``), or it is gone.
+        its cgroup, its files (the workspace last) and release its user id (``uid``, when this hook
+        has it from the record already). False if another live worker holds it (``wait=False``), or it is gone.
         """
         root = os.path.dirname(path)
         with state.claim(path, wait=wait) as got:
             if not got:
                 return False
-            uid = state.recorded_uid(path)
+            uid = uid if uid is not None else state.recorded_uid(path)
             cgroups = self._cgroups()
             if cgroups is not None:
                 cgroups.remove(handle)
