@@ -5,7 +5,8 @@ Benchmark the local (bubblewrap) backend against the raw tools, measured in the 
 
 Prints:
 - create + run ``true`` + destroy, against a raw ``bwrap ... true`` with the same namespaces and
-  mounts, as the same kind of user, interleaved (``harness.compare``: A, B, A, B ...): the median,
+  mounts, as the same kind of user, its output captured as the backend captures a command's
+  (``floors.raw_bwrap``, the floor every benchmark shares), interleaved (``harness.compare``: A, B, A, B ...): the median,
   min and max of each side and of the per-round ratio (goal: median at most 1.5x). The backend's
   part is everything else: a user id lease, a cgroup, the system-call filter, a fresh keyring, the
   crash-safe directory and its stamps;
@@ -28,10 +29,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_local_perf import raw_bwrap  # noqa: E402
+import floors  # noqa: E402
 from harness import Comparison, compare  # noqa: E402
 
-from sandbox_provider.hooks import _local_driver as driver  # noqa: E402
 from sandbox_provider.hooks.local import LocalSandboxHook  # noqa: E402
 from sandbox_provider.sandbox import SandboxSpec  # noqa: E402
 from sandbox_provider.sandbox.transfer import export_files  # noqa: E402
@@ -63,7 +63,7 @@ def lifecycle_row(hook: LocalSandboxHook, root: str, *, rounds: int) -> Comparis
     with the CPU time each side spent per round (worker and the programs it ran), which the load
     of other work on the machine moves far less than the wall-clock time.
     """
-    raw = raw_bwrap(root)
+    raw = floors.raw_bwrap(root)
 
     def ours() -> None:
         handle = hook.create(spec=SandboxSpec())
@@ -72,7 +72,7 @@ def lifecycle_row(hook: LocalSandboxHook, root: str, *, rounds: int) -> Comparis
         hook.destroy(handle)
 
     def floor() -> None:
-        subprocess.run([*raw, "true"], check=True, stdin=subprocess.DEVNULL, env=driver.BWRAP_ENV)
+        raw(["true"]).check_returncode()
 
     cpu_ours: list[float] = []
     cpu_raw: list[float] = []

@@ -29,10 +29,9 @@ from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import floors  # noqa: E402
 from harness import Comparison, compare, print_table  # noqa: E402
 
-from sandbox_provider.hooks import _local_driver as driver  # noqa: E402
-from sandbox_provider.hooks._local_ids import DEFAULT_UID_RANGE, parse_uid_range  # noqa: E402
 from sandbox_provider.hooks.local import LocalSandboxHook  # noqa: E402
 from sandbox_provider.sandbox.transfer import export_files, stage_inputs  # noqa: E402
 
@@ -137,26 +136,6 @@ def staging_rows(hook: LocalSandboxHook, root: str, *, rounds: int, files: int, 
     return rows
 
 
-def raw_bwrap(root: str) -> list[str]:
-    """The raw tool with this backend's namespaces and mounts, as the same kind of user, on a plain box."""
-    uid = parse_uid_range(DEFAULT_UID_RANGE)[1] if os.geteuid() == 0 else os.getuid()
-    box = os.path.join(root, "raw", "box")
-    for sub in ("", "workspace", "tmp"):
-        os.makedirs(os.path.join(box, sub), mode=0o700, exist_ok=True)
-        os.chown(os.path.join(box, sub), uid, uid)
-    os.chmod(os.path.join(root, "raw"), 0o711)
-    argv = driver.bwrap_argv(
-        shutil.which("bwrap") or "bwrap",
-        box=box,
-        workdir="/workspace",
-        binds=driver.system_binds(None, "/workspace", False),
-        network=False,
-        shm_bytes=64 << 20,
-    )
-    drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"] if os.geteuid() == 0 else []
-    return [*drop, *argv, "--"]
-
-
 def task_rows(hook: LocalSandboxHook, root: str, *, rounds: int) -> list[Row]:
     from airflow.sdk import DAG, task
 
@@ -169,13 +148,13 @@ def task_rows(hook: LocalSandboxHook, root: str, *, rounds: int) -> list[Row]:
     sandboxed, external = dag.tasks
     ti = mock.MagicMock(dag_id="bench", run_id="r", task_id="add", map_index=-1)
     context = {"ti": ti, "run_id": "r"}
-    raw = raw_bwrap(root)
+    raw = floors.raw_bwrap(root)
 
     def ours() -> None:
         assert sandboxed.execute(context) == 5
 
     def floor() -> None:
-        subprocess.run([*raw, "/usr/bin/python3", "-c", "print(2 + 3)"], check=True, capture_output=True)
+        raw(["/usr/bin/python3", "-c", "print(2 + 3)"]).check_returncode()
 
     def theirs() -> None:
         assert external.execute(context) == 5
