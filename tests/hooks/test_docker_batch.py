@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import time
 
 import pytest
 from airflow.sdk import task
@@ -125,6 +126,26 @@ def test_staging_has_only_the_command_users_rights(hook, sandbox):
         with pytest.raises(SandboxError, match=f"Could not write '{path}' into the sandbox: Cannot open"):
             hook.import_batch(sandbox, [entry("fine.txt", b"x"), entry(path, b"#!/bin/sh\necho owned\n")])
     assert "owned" not in sh(hook, sandbox, "cat /usr/bin/sleep /etc/evil 2>&1 | head -c 100").stdout
+
+
+def test_an_exec_that_ended_is_not_taken_for_a_timeout_while_its_reader_thread_exits(hook, sandbox, monkeypatch):
+    """
+    The reader thread of an exec still runs for a moment after it marked the stream ended (longer
+    on a loaded machine, where the scheduler may pause it right there): the hook must go by that
+    mark, not by whether the thread is alive, or it sweeps a finished exec and reports a timeout.
+    """
+    from sandbox_provider.hooks import _docker_exec
+
+    finish = _docker_exec._Pump.run
+
+    def lingering(pump):
+        finish(pump)
+        time.sleep(0.3)  # what a preempted thread looks like to the waiting one
+
+    monkeypatch.setattr(_docker_exec._Pump, "run", lingering)
+    assert hook.import_batch(sandbox, [entry("ok.txt", b"ok")]) == 2
+    result = sh(hook, sandbox, "echo alive")
+    assert (result.stdout, result.exit_code, result.timed_out) == ("alive\n", 0, False)
 
 
 def test_a_source_that_lies_about_its_size_fails_naming_it(hook, sandbox):

@@ -142,12 +142,15 @@ def run_exec(
         feeder = threading.Thread(target=_feed, args=(raw, stdin, stdin_size or 0, read), daemon=True)
         feeder.start()
     try:
-        pump.done.wait(deadline + DEADLINE_GRACE)
+        ended = pump.done.wait(deadline + DEADLINE_GRACE)
     except BaseException:
         _stop(sweep, raw, reader)
         raise
     swept = sweep_failed = False
-    if reader.is_alive() or pump.callback_failed:
+    # Whether the stream ended is the pump's flag, never ``reader.is_alive()``: the thread still
+    # runs for a moment after it set the flag, longer on a loaded machine, and a stream that ended
+    # by itself would then be swept and reported as timed out.
+    if not ended or pump.callback_failed:
         swept = True
         sweep_failed = not sweep()
     abandoned = _stop(None, raw, reader)
