@@ -10,8 +10,8 @@ Benchmarks for the Docker sandbox backend, run by hand against a real Engine:
    sweep of leftovers before each create, waiting for the keeper, the runner around the command and
    the keeper's sweep after it. Rounds alternate (``harness.compare``); goal: the median of the
    per-round ratios at most 1.10.
-(Transfers against ``docker cp`` are in ``bench_docker_transfer.py``; ``@task.sandbox`` against
-``@task.docker`` in ``bench_docker_task.py``.)
+(Transfers against ``docker cp``, and ``@task.sandbox`` against ``@task.docker``, are in
+``bench_docker_perf.py``.)
 
 Prints one JSON object with the figures and whether each goal was met. Exits 0 either way: it
 reports, it does not judge.

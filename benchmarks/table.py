@@ -1,7 +1,8 @@
 """
 The whole performance table of issue 14, one row per comparison (interleaved, n >= 5, median, min
 and max of the per-round ratio): the local backend's rows (``bench_local_perf.rows``), then the
-Docker backend's when its module offers ``rows(rounds=...)`` (``bench_docker_perf``).
+Docker backend's (``bench_docker_perf.rows``: ``@task.sandbox`` against ``@task.docker`` and
+``docker run``, transfers against ``docker cp``; it needs a running Engine and the ``bench`` extra).
 
     .venv/bin/python benchmarks/table.py [--rounds 5]
 """
