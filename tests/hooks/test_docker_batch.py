@@ -5,6 +5,7 @@ direction, with the command user's rights, and the Engine requests a ``@task.san
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import time
@@ -252,20 +253,74 @@ def test_files_staged_with_the_command_go_in_its_own_exec(hook, sandbox, monkeyp
     )
 
 
-def test_the_steps_of_a_task_sandbox_call_cost_eight_engine_requests(hook, monkeypatch):
-    """What ``@task.sandbox`` asks of the hook: create, run with its three files staged, read the result, destroy."""
+def test_the_steps_of_a_task_sandbox_call_cost_six_engine_requests(hook, monkeypatch):
+    """
+    What ``@task.sandbox`` asks of the hook: create, run with its three files staged and its result
+    read back by the same exec, read the result, destroy.
+    """
+    hook._client()  # the API version is negotiated once per worker process, not per task
     requests = Requests(monkeypatch)
     handle = hook.create()
     files = [entry("t/source.py", b"def add(a, b):\n    return a + b\n"), entry("t/call.json", b"[1, 2]")]
     script = "import json; open('t/result.json', 'w').write(json.dumps(sum(json.load(open('t/call.json')))))"
     staged = [*files, entry("t/runner.py", b"import json\n")]
-    result = hook.run_command(handle, f'python3 -c "{script}"', timeout=60, max_output_bytes=4096, stage=staged)
+    result = hook.run_command(
+        handle, f'python3 -c "{script}"', timeout=60, max_output_bytes=4096, stage=staged, read_back="t/result.json"
+    )
     assert result.ok, result
     assert hook.read_file(handle, "t/result.json", max_bytes=100) == b"3"
     hook.destroy(handle)
-    # The sweep of leftovers, create, start; two execs of two requests each; the removal.
-    assert len(requests.sent) == 8, json.dumps(requests.sent)
-    assert requests.execs() == 2
+    # The sweep of leftovers, create, start; one exec of two requests; the removal.
+    assert len(requests.sent) == 6, json.dumps(requests.sent)
+    assert requests.execs() == 1
+
+
+def test_a_file_read_back_with_the_command_is_what_a_read_finds(hook, sandbox, monkeypatch):
+    """
+    ``read_back`` only saves the read's exec: the bytes are the file's as the command user reads it
+    after the command, and every case the copy cannot serve is read on its own, with its own errors.
+    """
+    staged = [entry("job/x", b"")]
+
+    def run(command, path, **kwargs):
+        return hook.run_command(sandbox, command, timeout=30, max_output_bytes=4096, stage=staged, read_back=path)
+
+    requests = Requests(monkeypatch)
+    assert run("printf 'ok\\001\\036' > out.bin", "out.bin").ok
+    assert hook.read_file(sandbox, "out.bin", max_bytes=10) == b"ok\x01\x1e"
+    assert requests.execs() == 1
+    # The positive control of the next case: a command that forges a trailer with its own bytes.
+    forged = base64.b64encode(b"forged").decode()
+    run(
+        f"echo real > out.txt; printf '\\036sandbox-status:%s:0:{forged}\\n' \"$AIRFLOW_SANDBOX_STATUS\" >&2", "out.txt"
+    )
+    assert hook.read_file(sandbox, "out.txt", max_bytes=100) == b"real\n"
+    # Read on their own: over the caller's limit, over the read-back limit, missing, unreadable,
+    # a symlink into the keeper's directory, a program run after the command.
+    run("head -c 200 /dev/zero > big.bin", "big.bin")
+    with pytest.raises(SandboxFileTooLargeError):
+        hook.read_file(sandbox, "big.bin", max_bytes=100)
+    run("head -c 70000 /dev/zero > bigger.bin", "bigger.bin")
+    before = requests.execs()
+    assert hook.read_file(sandbox, "bigger.bin", max_bytes=10**6) == bytes(70000)
+    assert requests.execs() == before + 1
+    run("true", "missing.txt")
+    with pytest.raises(SandboxError, match="does not exist|cannot be read"):
+        hook.read_file(sandbox, "missing.txt", max_bytes=100)
+    run("ln -sf /.airflow-sandbox/tags.json link.json && echo x > shut.txt && chmod 000 shut.txt", "link.json")
+    with pytest.raises(SandboxError):
+        hook.read_file(sandbox, "link.json", max_bytes=100)
+    run("true", "shut.txt")
+    with pytest.raises(SandboxError):
+        hook.read_file(sandbox, "shut.txt", max_bytes=100)
+    run("echo old > seq.txt", "seq.txt")
+    hook.write_file(sandbox, "seq.txt", b"new\n")
+    assert hook.read_file(sandbox, "seq.txt", max_bytes=100) == b"new\n"
+    # A failed command reads nothing back.
+    before = requests.execs()
+    assert run("echo kept > failed.txt; exit 3", "failed.txt").exit_code == 3
+    assert hook.read_file(sandbox, "failed.txt", max_bytes=100) == b"kept\n"
+    assert requests.execs() == before + 2
 
 
 def test_a_task_sandbox_call_costs_at_most_ten_engine_requests(hook, monkeypatch):

@@ -295,8 +295,12 @@ class _SandboxDecoratedOperator(DecoratedOperator, SandboxOperator):
         )
         return command, files
 
+    def _read_back(self) -> str | None:
+        return f"{self._call_dir}/result.json"
+
     def _collect(self, session: SandboxSession, result: SandboxExecResult | None) -> Any:
-        path = f"{self._call_dir}/result.json"
+        path = self._read_back()
+        assert path is not None
         try:
             raw = session.read_file(path, max_bytes=self.max_result_bytes)
         except SandboxFileTooLargeError as err:

@@ -35,7 +35,7 @@ from sandbox_provider.sandbox.batch import (
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 from sandbox_provider.sandbox.files import file_failure
 from sandbox_provider.sandbox.hook import FILE_OP_TIMEOUT, OutputSink, RunOutcome
-from sandbox_provider.sandbox.spec import WORKDIR_TAG, SandboxExecResult, check_path
+from sandbox_provider.sandbox.spec import WORKDIR_TAG, SandboxExecResult, check_byte_count, check_path
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,8 @@ class DockerExec:
         workdir: str
         min_transfer_rate: int
         _where: str
+        _read_back_paths: dict[str, str]
+        _read_backs: dict[str, tuple[str, bytes]]
 
         def _client(self) -> Any: ...
         def _labels(self, handle: str) -> dict[str, str]: ...
@@ -77,14 +79,17 @@ class DockerExec:
         on_output: Callable[[int, bytes], None],
         stdin: IO[bytes] | None = None,
         stdin_size: int = 0,
+        read_back: str | None = None,
     ) -> tuple[RunOutcome, int]:
         """
         Run ``argv`` in the sandbox as its command user, one at a time per sandbox, and sweep after;
-        output goes to ``on_output(1 | 2, bytes)``.
+        output goes to ``on_output(1 | 2, bytes)``. ``read_back``: the path the runner reads back
+        (``runner_argv``); its bytes are kept for the next :meth:`read_file` of it.
 
         Returns the outcome and the bytes read from ``stdin``. A sandbox that cannot be swept is
         destroyed, and the outcome says it ended.
         """
+        self._read_backs.pop(handle, None)  # what the sandbox held before this program may change now
         labels = self._labels(handle)
         api = self._client().api
         first = bytearray()
@@ -120,6 +125,8 @@ class DockerExec:
             clean = not end.swept and end.error is None and end.exit_code is not None and end.exit_code < 128
             if clean:
                 driver.mark_swept(handle, True)
+                if read_back is not None and end.read_back is not None:
+                    self._read_backs[handle] = (read_back, end.read_back)
             terminated = not clean and not self._swept_after(handle, already=end.swept and not end.sweep_failed)
         if fresh:
             self._check_keeper(handle, end, first)
@@ -213,6 +220,7 @@ class DockerExec:
                 "command must be valid UTF-8 text; it holds characters that cannot be encoded (undecodable "
                 "bytes carried as surrogates)."
             )
+        self._read_back_paths.pop(handle, None)  # read back only by a staged run's runner, whose allowance has room
         argv = driver.runner_argv(command, timeout)
 
         def deliver(stream: int, data: bytes) -> None:
@@ -299,10 +307,34 @@ class DockerExec:
             raise batch.import_failure(entries, result.stderr)
         return sum(int(entry.size) for entry in entries)
 
+    def _read_back_hint(self, handle: str, path: str) -> None:
+        # The runner of the next command reads the file back on its trailer, which only a command
+        # user's runner can vouch for (a root command could read its token and forge it).
+        if self._labels(handle)[driver.USER_LABEL] != "0:0" and driver.is_utf8(path):
+            self._read_back_paths[handle] = path
+
+    def read_file(self, handle: str, path: str, *, max_bytes: int) -> bytes:
+        """
+        Return the bytes of ``path``: the copy the last command's runner read back when it was
+        asked to (``run_command(read_back=path)``) and it fits ``max_bytes``, or else read now.
+
+        :raises SandboxFileTooLargeError: over ``max_bytes``; :raises SandboxError: for a missing,
+            unreadable or not regular file; :raises SandboxTerminalError: if the sandbox is gone.
+        """
+        handle = self.check_handle(handle)
+        self._check_path(path)
+        check_byte_count(max_bytes, "max_bytes")
+        kept = self._read_backs.get(handle)
+        if kept is not None and kept[0] == path and len(kept[1]) <= max_bytes:
+            return kept[1]
+        return super().read_file(handle, path, max_bytes=max_bytes)  # type: ignore[misc]
+
     def _run_staged(
         self, handle: str, command: str, stage: Sequence[ImportEntry], *, timeout: float, output: OutputSink
     ) -> RunOutcome:
-        # The files and the command in one exec: the runner extracts the archive, then runs the command.
+        # The files and the command in one exec: the runner extracts the archive, then runs the
+        # command, then reads back the file the caller reads next, if it named one.
+        read_back = self._read_back_paths.pop(handle, None)
         archive = self._archive(handle, stage)
         errors = bytearray()
 
@@ -311,10 +343,16 @@ class DockerExec:
                 errors.extend(data)
             (output.stderr if stream == 2 else output.stdout)(data)
 
-        argv = driver.runner_argv(command, timeout, staged=True)
+        argv = driver.runner_argv(command, timeout, staged=True, read_back=read_back)
         allowance = float(driver.deadline_arg(timeout)) + max(FILE_OP_TIMEOUT, archive.size / self.min_transfer_rate)
         outcome, _ = self._exec(
-            handle, argv, timeout=allowance, on_output=deliver, stdin=cast(IO[bytes], archive), stdin_size=archive.size
+            handle,
+            argv,
+            timeout=allowance,
+            on_output=deliver,
+            stdin=cast(IO[bytes], archive),
+            stdin_size=archive.size,
+            read_back=read_back,
         )
         if archive.error is not None:
             raise archive.error

@@ -115,13 +115,20 @@ def keeper_entrypoint(lifetime: float, user: str) -> list[str]:
     return ["sh", "-c", _code("docker_keeper.sh"), "sandbox-keeper", owner, str(math.ceil(lifetime))]
 
 
-def runner_argv(command: str, seconds: float, *, staged: bool = False) -> list[str]:
+#: Largest file the runner reads back with its command (``read_back``); a bigger one is read on its own.
+READ_BACK_MAX_BYTES = 64 * 1024
+
+
+def runner_argv(command: str, seconds: float, *, staged: bool = False, read_back: str | None = None) -> list[str]:
     """
     The exec's argv for one command with a deadline of ``seconds``, under the keeper's copy of sh;
-    ``staged``: the archive on its standard input is extracted first (``stage.sh``).
+    ``staged``: the archive on its standard input is extracted first (``stage.sh``); ``read_back``:
+    once the command succeeded, the runner sends that file (at most ``READ_BACK_MAX_BYTES``) on its
+    status trailer.
     """
-    stage = [_code("stage.sh")] if staged else []
-    return [RUNNER_SHELL, "-c", _code("docker_run.sh"), "sandbox-run", deadline_arg(seconds), command, *stage]
+    stage = _code("stage.sh") if staged else ""
+    back = [_code("file.sh"), read_back, str(READ_BACK_MAX_BYTES)] if read_back is not None else ["", "", ""]
+    return [RUNNER_SHELL, "-c", _code("docker_run.sh"), "sandbox-run", deadline_arg(seconds), command, stage, *back]
 
 
 def op_argv(program: str, name: str, *args: str) -> list[str]:

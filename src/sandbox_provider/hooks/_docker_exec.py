@@ -8,7 +8,8 @@ The pump reads each payload straight from the socket into one new ``bytes`` (one
 the worker) and hands it on, so an export runs at the speed the Engine delivers.
 
 **The exit status** comes as a trailer that the guest program writes on its standard error as its
-very last bytes: ``\\x1esandbox-status:<token>:<status>\\n``, where the token is a random value
+very last bytes: ``\\x1esandbox-status:<token>:<status>\\n`` (the runner may add ``:<base64>``, a
+file it read back after the command, see ``runner_argv``), where the token is a random value
 given to that one exec in its environment. The runner of a command reads the token and removes it
 from the environment before the command starts, and the command cannot read it from the runner (the
 runner's shell is unreadable to the command user, so the kernel keeps its memory and environment
@@ -20,6 +21,8 @@ asked.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 import secrets
 import socket
@@ -56,6 +59,8 @@ class ExecEnd:
     :param started: the Engine started the program (False: the runtime could not, and said why in
         the output).
     :param reported: the exit status came from the program's own trailer (no request was needed).
+    :param read_back: the bytes of the file the runner read back on its trailer, if it did (only
+        with a trusted status).
     """
 
     exit_code: int | None
@@ -65,6 +70,7 @@ class ExecEnd:
     stdin_read: int = 0
     started: bool = True
     reported: bool = False
+    read_back: bytes | None = None
 
 
 class _Trailer:
@@ -74,6 +80,7 @@ class _Trailer:
         self.mark = STATUS_MARK + token.encode() + b":"
         self.held = b""
         self.status: int | None = None
+        self.read_back: bytes | None = None
 
     def feed(self, data: bytes) -> bytes:
         """What of ``data`` to pass on now; a possible trailer start is kept back."""
@@ -87,13 +94,19 @@ class _Trailer:
     def _may_be_trailer(self, tail: bytes) -> bool:
         if len(tail) <= len(self.mark):
             return self.mark.startswith(tail)
-        return tail.startswith(self.mark) and re.fullmatch(rb"\d{0,3}\n?", tail[len(self.mark) :]) is not None
+        rest = tail[len(self.mark) :]
+        return tail.startswith(self.mark) and re.fullmatch(rb"\d{0,3}(?::[A-Za-z0-9+/=]*)?\n?", rest) is not None
 
     def finish(self) -> bytes:
         """At the end of the stream: read a whole trailer, or give back what was held."""
-        found = re.fullmatch(re.escape(self.mark) + rb"(\d{1,3})\n", self.held)
+        found = re.fullmatch(re.escape(self.mark) + rb"(\d{1,3})(?::([A-Za-z0-9+/=]*))?\n", self.held)
         if found:
             self.status, self.held = int(found[1]), b""
+            if found[2] is not None:
+                try:
+                    self.read_back = base64.b64decode(found[2], validate=True)
+                except binascii.Error:  # not what file.sh writes: the file is read on its own
+                    self.read_back = None
             return b""
         held, self.held = self.held, b""
         return held
@@ -159,7 +172,7 @@ def run_exec(
     error = pump.failure if not abandoned else None
     status = pump.trailer.status
     if trust_status and status is not None and not swept:
-        return ExecEnd(status, False, False, error, read[0], True, True)
+        return ExecEnd(status, False, False, error, read[0], True, True, pump.trailer.read_back)
     code, started = _exit_status(api, exec_id)
     return ExecEnd(code, swept, sweep_failed, error, read[0], started)
 

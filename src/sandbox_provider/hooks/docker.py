@@ -186,6 +186,9 @@ class DockerSandboxHook(GatewayEgress, DockerExec, StreamFiles, ShellFiles, Atta
         self._where = _DEFAULT_ENGINE
         #: Labels of the sandboxes this hook used, by handle; they never change.
         self._labels_seen: dict[str, dict[str, str]] = {}
+        #: The file the next command's runner reads back, and what the last one read back, by handle.
+        self._read_back_paths: dict[str, str] = {}
+        self._read_backs: dict[str, tuple[str, bytes]] = {}
 
     # -- connection ------------------------------------------------------------------------------------
 
@@ -261,6 +264,8 @@ class DockerSandboxHook(GatewayEgress, DockerExec, StreamFiles, ShellFiles, Atta
     def _forget(self, handle: str) -> None:
         self._known_expiry.pop(handle, None)
         self._labels_seen.pop(handle, None)
+        self._read_back_paths.pop(handle, None)
+        self._read_backs.pop(handle, None)
         driver.mark_swept(handle, False)
         driver.mark_fresh(handle, False)
 

@@ -212,6 +212,10 @@ class SandboxOperator(BaseOperator):
         """Read what the task returns out of the sandbox, after a successful command, before teardown."""
         return None
 
+    def _read_back(self) -> str | None:
+        """The file ``_collect`` reads first, if any: a backend may fetch it with the command."""
+        return None
+
     def _xcom(self, session: SandboxSession, result: SandboxExecResult | None, collected: Any) -> Any:
         """Shape the task's return value."""
         if self.keep_sandbox is True:
@@ -253,7 +257,11 @@ class SandboxOperator(BaseOperator):
             else:
                 try:
                     result = session.run(
-                        command, timeout=self.timeout, max_output_bytes=self.max_output_bytes, on_output=self._live
+                        command,
+                        timeout=self.timeout,
+                        max_output_bytes=self.max_output_bytes,
+                        on_output=self._live,
+                        read_back=self._read_back(),
                     )
                 finally:
                     self._live.flush()

@@ -38,6 +38,7 @@ from sandbox_provider.sandbox.spec import (
     StreamTotals,
     check_byte_count,
     check_handle,
+    check_path,
     check_positive,
     encode_network_policy,
     new_sandbox_name,
@@ -322,6 +323,9 @@ class SandboxHook(BaseHook):
     def _destroy(self, handle: str) -> None:
         """Remove the sandbox and everything in it; a sandbox that is gone is not an error."""
 
+    def _read_back_hint(self, handle: str, path: str) -> None:
+        """``run_command(read_back=path)``: the caller reads ``path`` right after this command; a backend may fetch it with the command. Default: nothing."""
+
     def _run_staged(
         self, handle: str, command: str, stage: Sequence[ImportEntry], *, timeout: float, output: OutputSink
     ) -> RunOutcome:
@@ -476,6 +480,7 @@ class SandboxHook(BaseHook):
         max_output_bytes: int,
         on_output: OutputCallback | None = None,
         stage: Sequence[ImportEntry] = (),
+        read_back: str | None = None,
     ) -> SandboxExecResult:
         """
         Run ``command`` through ``sh -c`` in the sandbox's working directory.
@@ -486,6 +491,9 @@ class SandboxHook(BaseHook):
         :param on_output: called with ``("stdout" | "stderr", bytes)`` as output arrives, for live logs.
         :param stage: files to write in first (see :meth:`import_batch`), in the same launch where the
             backend can (``_run_staged``); a failure to write them raises before the command runs.
+        :param read_back: a file the caller reads next with :meth:`read_file`, which a backend may
+            fetch in the command's own launch (``_read_back_hint``); that read's checks and errors
+            stay the same. Default None.
         :raises SandboxError: for an empty command or one holding NUL, or files that could not be staged.
         :raises SandboxTerminalError: if the sandbox is gone or past its lifetime.
         """
@@ -495,6 +503,8 @@ class SandboxHook(BaseHook):
         check_command(command)
         budget = self._deadline(handle, float(timeout))
         sink = OutputSink(int(max_output_bytes), on_output)
+        if read_back is not None:
+            self._read_back_hint(handle, check_path(read_back))
         if stage:
             outcome = self._run_staged(handle, command, stage, timeout=budget, output=sink)
         else:

@@ -403,7 +403,13 @@ class SandboxSession:
         return max(0.0, self._expires_at - self._clock())
 
     def run(
-        self, command: str, *, timeout: float, max_output_bytes: int, on_output: OutputCallback | None = None
+        self,
+        command: str,
+        *,
+        timeout: float,
+        max_output_bytes: int,
+        on_output: OutputCallback | None = None,
+        read_back: str | None = None,
     ) -> SandboxExecResult:
         """
         Run ``command`` in the sandbox (provisioning it first if needed).
@@ -412,6 +418,7 @@ class SandboxSession:
 
         :param on_output: called with ``("stdout" | "stderr", bytes)`` as output arrives; its ``flush()``,
             if it has one (:class:`~sandbox_provider.sandbox.output.LineLog` does), when the command ended.
+        :param read_back: a file read right after with :meth:`read_file` (see ``SandboxHook.run_command``).
 
         :raises SandboxTerminalError: if the sandbox ended, or an attached one stopped mid-command.
         """
@@ -428,7 +435,9 @@ class SandboxSession:
         log.info("Running in sandbox %s (timeout %gs): %s", handle, float(timeout), shown)
         started = self._clock()
         try:
-            result = self._run_staged(handle, command, stage, float(timeout), int(max_output_bytes), on_output)
+            result = self._run_staged(
+                handle, command, stage, float(timeout), int(max_output_bytes), on_output, read_back
+            )
         finally:
             flush = getattr(on_output, "flush", None)
             if callable(flush):
@@ -445,16 +454,23 @@ class SandboxSession:
                     )
         return result
 
-    def _run_staged(self, handle, command, stage, timeout, max_output_bytes, on_output) -> SandboxExecResult:
+    def _run_staged(self, handle, command, stage, timeout, max_output_bytes, on_output, read_back) -> SandboxExecResult:
         """The command, with the files and inputs still to stage written in by the same launch."""
+        asked = {"read_back": read_back} if read_back is not None else {}
         if not stage:
             return self.hook.run_command(
-                handle, command, timeout=timeout, max_output_bytes=max_output_bytes, on_output=on_output
+                handle, command, timeout=timeout, max_output_bytes=max_output_bytes, on_output=on_output, **asked
             )
         started = time.monotonic()
         try:
             result = self.hook.run_command(
-                handle, command, timeout=timeout, max_output_bytes=max_output_bytes, on_output=on_output, stage=stage
+                handle,
+                command,
+                timeout=timeout,
+                max_output_bytes=max_output_bytes,
+                on_output=on_output,
+                stage=stage,
+                **asked,
             )
         except SandboxTerminalError:
             raise

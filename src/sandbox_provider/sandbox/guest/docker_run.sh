@@ -2,8 +2,10 @@
 #
 #   $1  the deadline in seconds, as coreutils timeout reads it (never 0, which it reads as none)
 #   $2  the command, for sh -c (its standard input is /dev/null)
-#   $3  optional: the text of stage.sh, run first to extract the archive on standard input as this
-#       user; when that fails (status 125), the command does not run
+#   $3  the text of stage.sh, run first to extract the archive on standard input as this user
+#       (empty: nothing to extract); when that fails (status 125), the command does not run
+#   $4  the text of file.sh, to read back the file $5 (at most $6 bytes) once the command succeeded
+#       and everything else is ended, as this user (empty: no read back)
 #
 # At the deadline timeout SIGKILLs the command's shell. In the foreground mode timeout does not kill
 # its own process group, itself included, so no shell reports "Killed" on top of the command's own
@@ -17,10 +19,11 @@
 # With AIRFLOW_SANDBOX_STATUS set (the hook's token for this one exec), it takes the token out of
 # the environment before the command starts and, once everything is ended, writes the status trailer
 # "\036sandbox-status:<token>:<status>" as its last line on stderr: the command cannot read the token
-# (this shell's memory is closed to it), so it cannot forge that line.
+# (this shell's memory is closed to it), so it cannot forge that line. A file read back rides on it,
+# base64 after one more colon, when file.sh could read it (no process of the command is left then).
 t=${AIRFLOW_SANDBOX_STATUS-}
 unset AIRFLOW_SANDBOX_STATUS
-if [ -n "${3-}" ]; then
+if [ -n "$3" ]; then
   sh -c "$3" sandbox-stage
   rc=$?
   if [ "$rc" -ne 0 ]; then
@@ -31,5 +34,14 @@ fi
 timeout --foreground -s KILL "$1" sh -c "$2" < /dev/null
 rc=$?
 kill -KILL -1 2>/dev/null
-[ -z "$t" ] || printf '\036sandbox-status:%s:%s\n' "$t" "$rc" >&2
+back=
+if [ "$rc" -eq 0 ] && [ -n "$t" ] && [ -n "$4" ] && back=$(sh -c "$4" sandbox-file "$5" "$6" base64 2>/dev/null); then
+  set -f
+  IFS='
+'
+  set -- $back
+  IFS=
+  back=":$*"
+fi
+[ -z "$t" ] || printf '\036sandbox-status:%s:%s%s\n' "$t" "$rc" "$back" >&2
 exit "$rc"
