@@ -253,6 +253,15 @@ def test_files_staged_with_the_command_go_in_its_own_exec(hook, sandbox, monkeyp
     )
 
 
+def test_a_command_staged_with_its_files_that_overruns_its_deadline_timed_out(hook, sandbox):
+    # The exec's own allowance includes the staging; the command's deadline is what judges it.
+    staged = [entry("job/in.txt", b"x")]
+    result = hook.run_command(sandbox, "sleep 30", timeout=1, max_output_bytes=4096, stage=staged)
+    assert (result.timed_out, result.exit_code) == (True, 137)
+    # The positive control: one that ends within it did not.
+    assert not hook.run_command(sandbox, "exit 137", timeout=30, max_output_bytes=4096, stage=staged).timed_out
+
+
 def test_the_steps_of_a_task_sandbox_call_cost_six_engine_requests(hook, monkeypatch):
     """
     What ``@task.sandbox`` asks of the hook: create, run with its three files staged and its result

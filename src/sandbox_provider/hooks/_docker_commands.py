@@ -80,11 +80,14 @@ class DockerExec:
         stdin: IO[bytes] | None = None,
         stdin_size: int = 0,
         read_back: str | None = None,
+        command_seconds: float | None = None,
     ) -> tuple[RunOutcome, int]:
         """
         Run ``argv`` in the sandbox as its command user, one at a time per sandbox, and sweep after;
         output goes to ``on_output(1 | 2, bytes)``. ``read_back``: the path the runner reads back
         (``runner_argv``); its bytes are kept for the next :meth:`read_file` of it.
+        ``command_seconds``: the command's own deadline when ``timeout`` also allows for staging (a
+        status of 124 or 137 past it is a timeout).
 
         Returns the outcome and the bytes read from ``stdin``. A sandbox that cannot be swept is
         destroyed, and the outcome says it ended.
@@ -130,7 +133,8 @@ class DockerExec:
             terminated = not clean and not self._swept_after(handle, already=end.swept and not end.sweep_failed)
         if fresh:
             self._check_keeper(handle, end, first)
-        return self._outcome(handle, end, first, time.monotonic() - began, timeout, terminated), end.stdin_read
+        elapsed = time.monotonic() - began
+        return self._outcome(handle, end, first, elapsed, command_seconds or timeout, terminated), end.stdin_read
 
     def _outcome(
         self,
@@ -353,6 +357,7 @@ class DockerExec:
             stdin=cast(IO[bytes], archive),
             stdin_size=archive.size,
             read_back=read_back,
+            command_seconds=float(driver.deadline_arg(timeout)),
         )
         if archive.error is not None:
             raise archive.error
