@@ -23,7 +23,9 @@ Sandboxes as containers on a Docker Engine, driven through the ``docker`` SDK.
   ``_docker_batch``, which says why the Engine's archive API, run as root, is not used for them).
   Only the provider's stamp file goes over the archive API, into the keeper's private directory.
 - **Requests**: a create is the sweep, create and start (the first program waits inside for the
-  keeper); an exec is two (its status comes in the stream's last bytes, see ``_docker_exec``).
+  keeper); an exec is two (its status comes in the stream's last bytes, see ``_docker_exec``),
+  and a file read right after a staged command can ride on that command's status
+  (``run_command(read_back=...)``).
 - **Limits**: CPU, memory (no swap beyond it), processes, disk (``disk_bytes``) where the storage
   driver supports it; network mode ``none`` unless the spec opens it; only ``spec.env`` is passed.
 - **Egress allowlists** (``allow_egress_to``, ``allow_egress_to_cidrs``): network mode ``none``
