@@ -123,18 +123,22 @@ class DockerExec:
                 )
             except _engine_errors() as err:  # a task timeout or Ctrl-C raised meanwhile goes on as it is
                 raise self._exec_error(err, handle, fresh) from err
-            # A runner that ended by itself killed everything else of the command user, and nothing
-            # could stop that but killing or stopping it (a status over 127, or the deadline).
-            clean = not end.swept and end.error is None and end.exit_code is not None and end.exit_code < 128
-            if clean:
-                driver.mark_swept(handle, True)
-                if read_back is not None and end.read_back is not None:
-                    self._read_backs[handle] = (read_back, end.read_back)
-            terminated = not clean and not self._swept_after(handle, already=end.swept and not end.sweep_failed)
+            terminated = self._settle(handle, end, read_back)
         if fresh:
             self._check_keeper(handle, end, first)
         elapsed = time.monotonic() - began
         return self._outcome(handle, end, first, elapsed, command_seconds or timeout, terminated), end.stdin_read
+
+    def _settle(self, handle: str, end: docker_exec.ExecEnd, read_back: str | None) -> bool:
+        """After an exec, under the sandbox's lock: mark the sandbox swept, or sweep it; True when it ended."""
+        # A runner that ended by itself killed everything else of the command user, and nothing
+        # could stop that but killing or stopping it (a status over 127, or the deadline).
+        if not end.swept and end.error is None and end.exit_code is not None and end.exit_code < 128:
+            driver.mark_swept(handle, True)
+            if read_back is not None and end.read_back is not None:
+                self._read_backs[handle] = (read_back, end.read_back)
+            return False
+        return not self._swept_after(handle, already=end.swept and not end.sweep_failed)
 
     def _outcome(
         self,

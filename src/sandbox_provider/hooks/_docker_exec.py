@@ -160,9 +160,7 @@ def run_exec(
         _stop(sweep, raw, reader)
         raise
     swept = sweep_failed = False
-    # Whether the stream ended is the pump's flag, never ``reader.is_alive()``: the thread still
-    # runs for a moment after it set the flag, longer on a loaded machine, and a stream that ended
-    # by itself would then be swept and reported as timed out.
+    # The pump's flag, not reader.is_alive(): the thread runs on a moment after setting it (longer under load).
     if not ended or pump.callback_failed:
         swept = True
         sweep_failed = not sweep()
@@ -170,9 +168,8 @@ def run_exec(
     if feeder is not None:
         feeder.join(STREAM_CLOSE_WAIT)
     error = pump.failure if not abandoned else None
-    status = pump.trailer.status
-    if trust_status and status is not None and not swept:
-        return ExecEnd(status, False, False, error, read[0], True, True, pump.trailer.read_back)
+    if trust_status and pump.trailer.status is not None and not swept:
+        return ExecEnd(pump.trailer.status, False, False, error, read[0], True, True, pump.trailer.read_back)
     code, started = _exit_status(api, exec_id)
     return ExecEnd(code, swept, sweep_failed, error, read[0], started)
 
