@@ -12,6 +12,11 @@ sandbox's command user, one at a time per sandbox, and the sandbox is swept afte
   direction: tar through the exec, as the command user (see :mod:`~sandbox_provider.hooks._docker_batch`).
 - The first program in a new sandbox waits inside for the keeper (``guest/docker_wait.sh``), so
   creating a sandbox costs no request to look for it.
+- A staged command can read back the file its caller reads next (``run_command(read_back=...)``,
+  what ``@task.sandbox`` does with its return value): once the command succeeded and nothing of it
+  is left, its runner reads the file as the command user and sends it on its status trailer, which
+  the command cannot forge; :meth:`DockerExec.read_file` serves that copy, and reads on its own
+  whatever the copy cannot serve.
 """
 
 from __future__ import annotations
