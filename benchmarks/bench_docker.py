@@ -25,12 +25,11 @@ import os
 import statistics
 import sys
 
-IMAGE = os.environ.get("SANDBOX_DOCKER_IMAGE", "airflow-sandbox-python:bookworm")
-CONN_ID = "sandbox_docker_bench"
-os.environ.setdefault(
-    f"AIRFLOW_CONN_{CONN_ID.upper()}", json.dumps({"conn_type": "sandbox_docker", "extra": {"image": IMAGE}})
-)
-os.environ.setdefault("AIRFLOW__CORE__UNIT_TEST_MODE", "True")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import floors  # noqa: E402  (it sets the connection and Airflow's test mode up)
+
+IMAGE, CONN_ID = floors.IMAGE, floors.DOCKER_CONN_ID
 
 
 def raw_lifecycle(client, index: int) -> None:

@@ -32,7 +32,6 @@ way: it reports, it does not judge.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
@@ -43,12 +42,9 @@ from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-IMAGE = os.environ.get("SANDBOX_DOCKER_IMAGE", "airflow-sandbox-python:bookworm")
-CONN_ID = "sandbox_docker_bench"
-os.environ.setdefault(
-    f"AIRFLOW_CONN_{CONN_ID.upper()}", json.dumps({"conn_type": "sandbox_docker", "extra": {"image": IMAGE}})
-)
-os.environ.setdefault("AIRFLOW__CORE__UNIT_TEST_MODE", "True")
+import floors  # noqa: E402  (first: it sets the connection and Airflow's test mode up)
+
+IMAGE, CONN_ID = floors.IMAGE, floors.DOCKER_CONN_ID
 
 from airflow.sdk import DAG, task  # noqa: E402
 from harness import Comparison, compare, print_table  # noqa: E402
@@ -108,12 +104,10 @@ def task_rows(*, rounds: int) -> list[Row]:
         # A new hook per task, as each task process builds its own.
         run_task(add_in_sandbox, backend=DockerSandboxHook(CONN_ID, pull="never"))
 
+    floor_argv = floors.docker_run_argv(floors.run_tag(), ["python3", "-c", "print(1 + 2)"])
+
     def floor() -> None:
-        subprocess.run(
-            ["docker", "run", "--rm", "--network", "none", IMAGE, "python3", "-c", "print(1 + 2)"],
-            check=True,
-            capture_output=True,
-        )
+        subprocess.run(floor_argv, check=True, capture_output=True)
 
     ours()  # the API version is negotiated once per process, not per task
     requests = len(count_requests(ours))
