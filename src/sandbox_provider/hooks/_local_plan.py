@@ -66,6 +66,41 @@ def build(path: str, *, bwrap: str, image: str | None, workdir: str, shm_default
     )
 
 
+def start(
+    handle: str,
+    plan: Plan,
+    argv: list[str],
+    *,
+    binds: Sequence[tuple[str, str]],
+    env: Mapping[str, str],
+    cgroups: Any,
+    rlimits: Mapping[str, int],
+    drops_root: bool,
+    popen_kwargs: Mapping[str, Any],
+) -> driver.Started:
+    """
+    Start one launch of ``plan`` running ``argv`` with ``binds`` and ``env``, in the sandbox's cgroup
+    when ``cgroups`` has one, as the sandbox's user when the worker ``drops_root``.
+
+    :raises SandboxTerminalError: when bubblewrap cannot be started.
+    """
+    placement = cgroups.placement(handle) if cgroups is not None else None
+    try:
+        return driver.start(
+            plan.tools,
+            with_binds(plan.bwrap_argv, binds),
+            [*plan.prefix, *argv],
+            env=env,
+            rlimits=rlimits,
+            uid=plan.uid if drops_root else None,
+            placement=placement,
+            join_cgroup=(lambda pid: cgroups.join(handle, pid)) if cgroups and not placement else None,
+            popen_kwargs=popen_kwargs,
+        )
+    except OSError as err:
+        raise SandboxTerminalError(f"Could not start bubblewrap in sandbox {handle}: {err}") from err
+
+
 def with_binds(bwrap_argv: list[str], binds: Sequence[tuple[str, str]]) -> list[str]:
     """``bwrap_argv`` with ``binds`` (worker directory, path inside) mounted writable, before the root goes read-only."""
     if not binds:

@@ -72,6 +72,7 @@ default_state_root = state.default_state_root
 UID_TAG = state.UID_TAG
 _EXPORT_MIN_RATE = 1024 * 1024  # bytes per second a local export is allowed to be slow to
 _LEASE_SWEEP_EVERY = 60.0  # seconds between lease sweeps on the create path
+_OOM = "the sandbox reached its memory limit (memory_bytes=%s)."
 
 
 class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attachable, SandboxHook):
@@ -577,13 +578,11 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         base_env_only: bool = False,
     ) -> RunOutcome:
         """
-        Run ``argv`` in the sandbox for at most ``timeout`` seconds. Standard input streams from
-        ``stdin``, or is the descriptor ``stdin_fd`` (closed here once the launch has it); standard
-        output goes into ``output``, or straight into the descriptor ``stdout_fd`` (the worker never
-        reads it). ``binds``: ``(worker directory, path inside)`` pairs mounted writable for this
-        launch only. ``base_env_only``: without ``spec.env``, for the worker's own programs when they
-        hold a worker descriptor or directory, so no program or library that environment names
-        (``PATH``, ``LD_PRELOAD``) runs beside them.
+        Run ``argv`` in the sandbox for at most ``timeout`` seconds; stdin from ``stdin`` or the
+        descriptor ``stdin_fd`` (closed here), stdout into ``output`` or the descriptor ``stdout_fd``.
+        ``binds``: ``(worker directory, path inside)`` mounted writable for this launch only.
+        ``base_env_only``: no ``spec.env`` (whose PATH or LD_PRELOAD could name the sandbox's own
+        programs), for the worker's programs when they hold a worker descriptor or directory.
         """
         try:
             plan = self._plan(handle)
@@ -594,26 +593,25 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         limits = plan.limits
         cgroups, rlimits = self._confinement(handle, limits, max_file_bytes)
         ooms = cgroups.oom_kills(handle) if cgroups is not None and limits.get("memory_bytes") else None
-        placement = cgroups.placement(handle) if cgroups is not None else None
         stdin_kind = stdin_fd if stdin_fd is not None else subprocess.PIPE if stdin is not None else subprocess.DEVNULL
+        popen_kwargs = {
+            "stdin": stdin_kind,
+            "stdout": subprocess.PIPE if stdout_fd is None else stdout_fd,
+            "env": driver.BWRAP_ENV,
+        }
         try:
-            started = driver.start(
-                plan.tools,
-                plans.with_binds(plan.bwrap_argv, binds),
-                [*plan.prefix, *argv],
-                env=driver.base_env(self.workdir) if base_env_only else plan.env,
+            env = driver.base_env(self.workdir) if base_env_only else plan.env
+            started = plans.start(
+                handle,
+                plan,
+                argv,
+                binds=binds,
+                env=env,
+                cgroups=cgroups,
                 rlimits=rlimits,
-                uid=plan.uid if self._drops_root else None,
-                placement=placement,
-                join_cgroup=(lambda pid: cgroups.join(handle, pid)) if cgroups and not placement else None,
-                popen_kwargs={
-                    "stdin": stdin_kind,
-                    "stdout": subprocess.PIPE if stdout_fd is None else stdout_fd,
-                    "env": driver.BWRAP_ENV,
-                },
+                drops_root=self._drops_root,
+                popen_kwargs=popen_kwargs,
             )
-        except OSError as err:
-            raise SandboxTerminalError(f"Could not start bubblewrap in sandbox {handle}: {err}") from err
         finally:
             if stdin_fd is not None:
                 os.close(stdin_fd)  # the launch holds it now: a feeder sees EPIPE when the sandbox stops
@@ -623,10 +621,7 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
             if plan.prefix:  # the gateway's account of this launch's connections, into the task log
                 egress.relay_log(egress.local_gateway_dir(plan.path), log)
         if ooms is not None and not outcome.timed_out and cgroups.oom_kills(handle) > ooms:
-            output.stderr(
-                f"\n[sandbox] the kernel killed a process: the sandbox reached its memory limit "
-                f"(memory_bytes={limits['memory_bytes']}).\n"
-            )
+            output.stderr(f"\n[sandbox] the kernel killed a process: {_OOM % limits['memory_bytes']}\n")
         return outcome
 
     def _follow(self, handle, path, started: driver.Started, output: OutputSink, stdin, timeout, *, has_cgroup: bool):
