@@ -254,3 +254,18 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def test_a_wide_directory_exports_within_few_descriptors(hook, sandbox, tmp_path):
+    import resource
+
+    _run(hook, sandbox, "mkdir w && cd w && for i in $(seq 200); do mkdir d$i && echo $i > d$i/f; done")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    room = len(os.listdir("/proc/self/fd")) + 64  # far fewer than the 200 subdirectories
+    resource.setrlimit(resource.RLIMIT_NOFILE, (room, hard))
+    try:
+        records = export_files(hook, sandbox, {"w": f"file://{tmp_path}/out/"})
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert records[0].size_bytes == sum(len(f"{i}\n") for i in range(1, 201))
+    assert (tmp_path / "out" / "d200" / "f").read_text() == "200\n"

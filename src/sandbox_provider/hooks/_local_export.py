@@ -97,22 +97,41 @@ def adopt(directories: Sequence[str], requests: Sequence[ExportRequest], limits:
 def _adopt_tree(
     top: str, request: ExportRequest, budget: ExportBudget, owner: tuple[int, int] | None, modes: tuple[int, int]
 ) -> dict[str, int]:
+    """
+    Depth first, holding open only the directories on the way down (one per level), so a directory
+    of many subdirectories costs no more descriptors than a narrow one.
+    """
     files: dict[str, int] = {}
-    stack = [("", os.open(top, _DIR_FLAGS))]
-    if owner is not None:
-        os.fchown(stack[0][1], *owner)
-    os.fchmod(stack[0][1], modes[1])
+    stack: list[tuple[str, int, list[str]]] = []
     try:
+        fd = _enter(os.open(top, _DIR_FLAGS), owner, modes[1])
+        stack.append(("", fd, _adopt_level(fd, "", request, budget, owner, modes[0], files)))
         while stack:
-            prefix, fd = stack.pop()
-            try:
-                _adopt_level(fd, prefix, request, budget, owner, modes, files, stack)
-            finally:
-                os.close(fd)
+            prefix, fd, subdirectories = stack[-1]
+            if not subdirectories:
+                os.close(stack.pop()[1])
+                continue
+            name = subdirectories.pop()
+            child = _enter(os.open(name, _DIR_FLAGS, dir_fd=fd), owner, modes[1])
+            rel = prefix + name + "/"
+            stack.append((rel, child, _adopt_level(child, rel, request, budget, owner, modes[0], files)))
     finally:
-        for _, fd in stack:
+        for _, fd, _ in stack:
             os.close(fd)
     return files
+
+
+def _enter(fd: int, owner: tuple[int, int] | None, mode: int) -> int:
+    """A directory of the walk, opened: made the worker's, with ``mode``; returns ``fd``."""
+    try:
+        if owner is not None:
+            os.fchown(fd, *owner)
+        if stat.S_IMODE(os.fstat(fd).st_mode) != mode:
+            os.fchmod(fd, mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _adopt_level(
@@ -121,25 +140,19 @@ def _adopt_level(
     request: ExportRequest,
     budget: ExportBudget,
     owner: tuple[int, int] | None,
-    modes: tuple[int, int],
+    file_mode: int,
     files: dict[str, int],
-    stack: list[tuple[str, int]],
-) -> None:
-    """One directory of the walk: its files adopted into ``files``, its subdirectories pushed on ``stack``."""
-    file_mode, dir_mode = modes
+) -> list[str]:
+    """One directory of the walk: its files adopted into ``files``; returns its subdirectories' names."""
     with os.scandir(fd) as listing:
         found = [(entry.name, entry.stat(follow_symlinks=False)) for entry in listing]
+    subdirectories = []
     for name, info in found:
         rel = prefix + name
         if len(os.fsencode(rel)) > _LONGEST_NAME:
             raise SandboxError(f"{joined_name(request, rel)[:200]!r}... has a name too long to export.")
         if stat.S_ISDIR(info.st_mode):
-            child = os.open(name, _DIR_FLAGS, dir_fd=fd)
-            stack.append((rel + "/", child))
-            if owner is not None:
-                os.fchown(child, *owner)
-            if info.st_mode & 0o7777 != dir_mode:
-                os.fchmod(child, dir_mode)
+            subdirectories.append(name)
         elif stat.S_ISREG(info.st_mode):
             budget.admit(request, rel, info.st_size)
             budget.total += info.st_size
@@ -153,6 +166,7 @@ def _adopt_level(
                 f"{joined_name(request, rel)!r} is not a regular file in the sandbox "
                 f"({_kind(info.st_mode)}); export regular files only."
             )
+    return subdirectories
 
 
 def _kind(mode: int) -> str:
