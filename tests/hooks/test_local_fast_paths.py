@@ -6,9 +6,11 @@ writes into their ``.partial`` directory, checked by the worker afterwards (host
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import stat
+import time
 
 import pytest
 from tests.hooks.test_local import hook, sandbox  # noqa: F401 (the fixtures)
@@ -269,3 +271,35 @@ def test_a_wide_directory_exports_within_few_descriptors(hook, sandbox, tmp_path
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert records[0].size_bytes == sum(len(f"{i}\n") for i in range(1, 201))
     assert (tmp_path / "out" / "d200" / "f").read_text() == "200\n"
+
+
+def test_an_export_past_its_total_stops_while_it_is_written(hook, sandbox, tmp_path):
+    import threading
+
+    # Sparse files cost the sandbox nothing and come out whole: 20 x 9 MiB against a 20 MiB total.
+    _run(hook, sandbox, "mkdir s && for i in $(seq 20); do truncate -s 9M s/f$i; done")
+    # Positive control: 180 MiB of data behind almost no disk in the sandbox.
+    disk, apparent = map(int, _run(hook, sandbox, "du -sk s | cut -f1; du -sk --apparent-size s | cut -f1").split())
+    assert disk < 1000 and apparent >= 180 * 1024
+    peak, done = [0], threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            size = 0
+            for partial in tmp_path.glob("*.partial"):
+                for path in partial.rglob("*"):
+                    with contextlib.suppress(OSError):
+                        size += path.lstat().st_size
+            peak[0] = max(peak[0], size)
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with pytest.raises(SandboxTerminalError, match="more than the limit of 20971520 bytes"):
+            export_files(hook, sandbox, {"s": f"file://{tmp_path}/out/"}, max_bytes=10 << 20, max_total_bytes=20 << 20)
+    finally:
+        done.set()
+        watcher.join()
+    assert peak[0] <= (20 << 20) + (10 << 20)  # the total, and at most one more member while tar was stopped
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]

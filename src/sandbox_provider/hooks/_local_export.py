@@ -24,10 +24,10 @@ from typing import Any
 
 from sandbox_provider.hooks import _local_state as state
 from sandbox_provider.sandbox.batch import ExportBudget, ExportLimits, ExportRequest, joined_name
-from sandbox_provider.sandbox.errors import SandboxError
+from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError
 from sandbox_provider.sandbox.storage import special_kind_of
 
-__all__ = ["MOUNT", "adopt", "local_directories", "prepare", "remove"]
+__all__ = ["MOUNT", "adopt", "check_caps", "local_directories", "prepare", "remove", "stream_caps"]
 
 #: Where a request's directory is bound in the export's launch: ``/.airflow-export/<index>``.
 MOUNT = "/.airflow-export"
@@ -46,6 +46,33 @@ def local_directories(sink: Any, requests: Sequence[ExportRequest]) -> list[str]
         return None
     found = [offer(i) for i in range(len(requests))]
     return None if any(d is None for d in found) else [d for d in found if d is not None]
+
+
+_OVER_BYTES, _OVER_ENTRIES = 71, 72  # export_into.sh's statuses past its caps
+
+
+def stream_caps(limits: ExportLimits) -> tuple[int, int]:
+    """
+    ``(bytes of the members' data, members)`` that ``export_into.sh`` lets tar extract before it
+    stops it: the batch's total, and its file limit with room for directories (counted as members
+    too), so a batch within its limits always fits and one past them stops within one member.
+    """
+    return limits.max_total_bytes, 2 * limits.max_files + 16
+
+
+def check_caps(result: Any, requests: Sequence[ExportRequest], limits: ExportLimits) -> None:
+    """
+    :raises SandboxFileTooLargeError: the archive passed its byte cap (so the batch's total limit);
+    :raises SandboxError: it passed its member cap (so the batch's file limit).
+    """
+    where = requests[0].path if len(requests) == 1 else ", ".join(r.path for r in requests)
+    if result.exit_code == _OVER_BYTES:
+        raise SandboxFileTooLargeError(where, stream_caps(limits)[0], limits.max_total_bytes)
+    if result.exit_code == _OVER_ENTRIES:
+        raise SandboxError(
+            f"The export of {where!r} holds more than {limits.max_files} files; export fewer (a narrower glob, "
+            "say), or pack them into one archive in the sandbox and export that."
+        )
 
 
 def prepare(directories: Sequence[str], uid: int | None) -> list[tuple[str, str]]:

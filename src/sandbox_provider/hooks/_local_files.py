@@ -201,7 +201,9 @@ class LocalFiles:
         args = _tree_args(requests)
         binds = local_export.prepare(directories, self.uid_of(handle) if os.geteuid() == 0 else None)
         try:
-            script = guest.shell_command("export_into.sh", local_export.MOUNT, guest.program("export_tree.sh"), *args)
+            caps = local_export.stream_caps(limits)
+            tree = guest.program("export_tree.sh")
+            script = guest.shell_command("export_into.sh", local_export.MOUNT, tree, *caps, *args)
             result = self._script(  # the base environment only: no program the Dag's PATH names runs here
                 handle,
                 script,
@@ -212,6 +214,7 @@ class LocalFiles:
             )
             if result.sandbox_terminated:
                 raise SandboxTerminalError(f"The sandbox ended while exporting {requests[0].path!r}.")
+            local_export.check_caps(result, requests, limits)
             adopted = local_export.adopt(directories, requests, limits)  # checks first: a big file ends tar
             if not result.ok:
                 raise _export_failure(result, requests)
