@@ -6,10 +6,13 @@ Each request's ``.partial`` directory (made empty and owned by the sandbox's use
 one launch at ``/.airflow-export/<index>``, where ``export_into.sh`` extracts what
 ``export_tree.sh`` packs (symlinks followed as the sandbox sees them), so the bytes never pass
 through the worker and no archive is parsed in Python. The launch's file-size limit stops a file one
-byte past ``max_file_bytes``.
+byte past ``max_file_bytes``; ``export_into.sh`` stops tar once the members' sizes pass the batch's
+total or their number twice its file limit (:func:`stream_caps`), so no more than that lands on the
+worker's disk before the exact checks below.
 
 Nothing written there is trusted: once the launch has ended, and with it the only mount of those
-directories any sandbox process had, :func:`adopt` walks each one without following anything,
+directories any sandbox process had (a destination inside what the sandbox sees otherwise, its own
+workspace say, it could change at any time, whichever way the export went), :func:`adopt` walks each one without following anything,
 refuses all but directories and regular files, checks the batch's limits, and gives every entry to
 the worker (owner, mode 0644 or 0755, no set-id bits) before the engine publishes it. On any failure
 the directories are removed whole (iteratively: depth and permissions set inside cannot stop it).
