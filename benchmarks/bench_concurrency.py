@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import logging
 import shutil
 import subprocess
 import sys
@@ -116,7 +115,22 @@ def raw_life(run: Callable[[], object], errors: Errors) -> Callable[[], None]:
     return one
 
 
-class LocalSide:
+class _Bursts:
+    """Both sides of one backend as bursts of ``count`` at once: ``one_ours`` and ``one_raw`` each time."""
+
+    count: int
+    errors: tuple[Errors, Errors]
+    one_ours: Callable[[], None]
+    one_raw: Callable[[], None]
+
+    def ours(self) -> None:
+        burst(self.count, self.one_ours, self.errors[0])
+
+    def raw(self) -> None:
+        burst(self.count, self.one_raw, self.errors[1])
+
+
+class LocalSide(_Bursts):
     """The local backend's two sides, each a burst of ``count`` at once, with their errors and leftovers."""
 
     name, raw_name = "local", "raw bwrap echo"
@@ -134,12 +148,6 @@ class LocalSide:
         self.one_raw = raw_life(lambda: raw(["echo", EXPECTED]), self.errors[1])
         warm_up(self)
 
-    def ours(self) -> None:
-        burst(self.count, self.one_ours, self.errors[0])
-
-    def raw(self) -> None:
-        burst(self.count, self.one_raw, self.errors[1])
-
     def leftovers(self) -> dict[str, int]:
         return floors.local_leftovers(self.root, self.parent)
 
@@ -151,7 +159,7 @@ class LocalSide:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-class DockerSide:
+class DockerSide(_Bursts):
     """The Docker backend's two sides, each a burst of ``count`` at once, with their errors and leftovers."""
 
     name, raw_name = "docker", "docker run --rm"
@@ -174,12 +182,6 @@ class DockerSide:
             lambda: subprocess.run(argv, capture_output=True, stdin=subprocess.DEVNULL), self.errors[1]
         )
         warm_up(self)
-
-    def ours(self) -> None:
-        burst(self.count, self.one_ours, self.errors[0])
-
-    def raw(self) -> None:
-        burst(self.count, self.one_raw, self.errors[1])
 
     def leftovers(self) -> dict[str, int]:
         return floors.docker_leftovers(self.client, self.uid, self.tag)
@@ -281,15 +283,7 @@ def main() -> int:
         parser.error("--rounds must be at least 5")
     if args.count < 1:
         parser.error("--count must be at least 1")
-    logging.disable(logging.WARNING)
-    if args.serve:
-        return serve(args)
-    if args.against:
-        against_tree(args)
-    else:
-        print(floors.provenance(), flush=True)
-        against_raw(args)
-    return 0
+    return floors.dispatch(args, serve=serve, against_tree=against_tree, against_floors=against_raw)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import queue
 import shutil
 import sys
@@ -307,15 +306,7 @@ def main() -> int:
         parser.error("--rounds must be at least 5")
     if args.calls < 1:
         parser.error("--calls must be at least 1")
-    logging.disable(logging.WARNING)
-    if args.serve:
-        return serve(args)
-    if args.against:
-        against_tree(args)
-    else:
-        print(floors.provenance(), flush=True)
-        against_floors(args)
-    return 0
+    return floors.dispatch(args, serve=serve, against_tree=against_tree, against_floors=against_floors)
 
 
 if __name__ == "__main__":

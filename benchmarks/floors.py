@@ -9,6 +9,7 @@ the provider's code, so a run on another tree of the provider measures against t
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -273,4 +274,20 @@ def serve(setup: Callable[[], tuple[dict[str, Callable[[], object]], Callable[[]
         except Exception as err:
             reply(False, f"{name}: {type(err).__name__}: {err}")
     reply(True, finish())
+    return 0
+
+
+def dispatch(args, *, serve, against_tree, against_floors) -> int:
+    """
+    A benchmark script's last step: ``serve(args)`` for the other tree's side (``--serve``), else
+    ``against_tree(args)`` with ``--against``, else ``against_floors(args)`` after naming this tree.
+    """
+    logging.disable(logging.WARNING)
+    if args.serve:
+        return serve(args)
+    if args.against:
+        against_tree(args)
+    else:
+        print(provenance(), flush=True)
+        against_floors(args)
     return 0

@@ -1,32 +1,21 @@
 """read_file on the local backend from the worker's side of the workspace: a plain file needs no
 launch, and whatever the sandbox would see differently is answered by the sandbox itself."""
 
+# ruff: noqa: F811 (the hook and sandbox fixtures of test_local are used by name)
+
 from __future__ import annotations
 
 import os
 
 import pytest
+from tests.hooks.test_local import hook, sandbox  # noqa: F401 (the fixtures)
 
 from conftest import requires_bwrap
 from sandbox_provider.hooks import _local_files
 from sandbox_provider.hooks import local as local_module
-from sandbox_provider.hooks.local import LocalSandboxHook
-from sandbox_provider.sandbox import SandboxSpec
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
 
 pytestmark = requires_bwrap
-
-
-@pytest.fixture
-def hook(tmp_path):
-    return LocalSandboxHook(state_root=str(tmp_path / "state"))
-
-
-@pytest.fixture
-def sandbox(hook):
-    handle = hook.create(spec=SandboxSpec())
-    yield handle
-    hook.destroy(handle)
 
 
 @pytest.fixture
