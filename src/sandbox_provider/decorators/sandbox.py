@@ -295,12 +295,14 @@ class _SandboxDecoratedOperator(DecoratedOperator, SandboxOperator):
         )
         return command, files
 
-    def _read_back(self) -> str | None:
+    def _result_path(self) -> str:
         return f"{self._call_dir}/result.json"
 
+    def _read_back(self) -> str | None:
+        return self._result_path()
+
     def _collect(self, session: SandboxSession, result: SandboxExecResult | None) -> Any:
-        path = self._read_back()
-        assert path is not None
+        path = self._result_path()
         try:
             raw = session.read_file(path, max_bytes=self.max_result_bytes)
         except SandboxFileTooLargeError as err:
