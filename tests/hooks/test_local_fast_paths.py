@@ -303,3 +303,13 @@ def test_an_export_past_its_total_stops_while_it_is_written(hook, sandbox, tmp_p
         watcher.join()
     assert peak[0] <= (20 << 20) + (10 << 20)  # the total, and at most one more member while tar was stopped
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state"]
+
+
+def test_export_directories_made_before_one_that_fails_are_removed(tmp_path):
+    from sandbox_provider.hooks import _local_export
+    from sandbox_provider.sandbox.errors import SandboxError
+
+    (tmp_path / "taken").mkdir()  # something is already where the second one goes
+    with pytest.raises(SandboxError, match="Could not make the export directory"):
+        _local_export.prepare([str(tmp_path / "first"), str(tmp_path / "taken")], None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]

@@ -83,17 +83,19 @@ def prepare(directories: Sequence[str], uid: int | None) -> list[tuple[str, str]
     Make each directory, empty, mode 0700, owned by ``uid`` (None: the worker); return the binds
     ``(host directory, path in the launch)``.
 
-    :raises SandboxError: when one cannot be made (something is already there, say).
+    :raises SandboxError: when one cannot be made (something is already there, say); the ones made
+        before it are removed.
     """
     binds = []
     for index, directory in enumerate(directories):
         try:
             os.mkdir(directory, 0o700)
+            binds.append((directory, f"{MOUNT}/{index}"))
             if uid is not None:
                 os.chown(directory, uid, uid)
         except OSError as err:
+            remove([made for made, _ in binds])  # the ones made so far: nothing is left half prepared
             raise SandboxError(f"Could not make the export directory {directory}: {err.strerror}") from err
-        binds.append((directory, f"{MOUNT}/{index}"))
     return binds
 
 
