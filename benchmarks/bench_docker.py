@@ -38,7 +38,7 @@ def raw_lifecycle(client, index: int) -> None:
     same settings as the hook's: the same keeper as PID 1, user, capabilities, limits and network,
     and the command run as the same unprivileged user.
     """
-    from sandbox_provider.hooks import _docker_driver as driver
+    from sandbox_provider.hooks.docker import driver
 
     api = client.api
     settings = {"memory_bytes": 1024**3, "cpus": 1.0, "pids_limit": 512, "network": "bridge"}

@@ -32,9 +32,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import floors  # noqa: E402
 from harness import Comparison, compare  # noqa: E402
 
+from sandbox_provider.engine.transfer import export_files  # noqa: E402
 from sandbox_provider.hooks.local import LocalSandboxHook  # noqa: E402
 from sandbox_provider.sandbox import SandboxSpec  # noqa: E402
-from sandbox_provider.sandbox.transfer import export_files  # noqa: E402
 
 
 def _summary(times: list[float]) -> str:

@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import floors  # noqa: E402
 from harness import Comparison, compare, print_table  # noqa: E402
 
+from sandbox_provider.engine.transfer import export_files, stage_inputs  # noqa: E402
 from sandbox_provider.hooks.local import LocalSandboxHook  # noqa: E402
-from sandbox_provider.sandbox.transfer import export_files, stage_inputs  # noqa: E402
 
 Row = tuple[Comparison, str]
 

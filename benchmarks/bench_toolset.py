@@ -173,7 +173,7 @@ class ToolSide:
     """
 
     def __init__(self, backend: str) -> None:
-        from sandbox_provider.sandbox.output import MASK_MARGIN_BYTES
+        from sandbox_provider.engine.output import MASK_MARGIN_BYTES
 
         self.backend = backend
         self.root: str | None = None

@@ -140,7 +140,7 @@ def local_leftovers(root: str, cgroup_parent: str) -> dict[str, int]:
     What is left of the local sandboxes of a run: entries of its state root, id leases whose
     sandbox lies in it, and sandbox cgroups under its own ``cgroup_parent`` (each controller's).
     """
-    from sandbox_provider.hooks import _local_cgroups as cgroups
+    from sandbox_provider.hooks.local import cgroups
 
     state_root = os.path.join(root, "state")
     entries = os.listdir(state_root) if os.path.isdir(state_root) else []
@@ -186,7 +186,7 @@ def docker_run_argv(tag: str, command: Sequence[str]) -> list[str]:
 
 def docker_leftovers(client, sandbox_uid: int, tag: str) -> dict[str, int]:
     """Containers of a run still on the Engine, in any state: the hook's (by user label) and the raw ones."""
-    from sandbox_provider.hooks import _docker_driver as driver
+    from sandbox_provider.hooks.docker import driver
 
     ours = client.containers.list(all=True, filters={"label": f"{driver.USER_LABEL}={sandbox_uid}:{sandbox_uid}"})
     raw = client.containers.list(all=True, filters={"label": f"{RAW_LABEL}={tag}"})

@@ -18,8 +18,20 @@ os.environ.setdefault(
 )
 
 import json  # noqa: E402
+import sys  # noqa: E402
 
 import pytest  # noqa: E402
+
+#: tests/ is no package (pytest imports each test file by its name, its folder put first on sys.path), so
+#: the helpers a test imports from another folder are found by name too: tests/ itself (fake_hook,
+#: scripted_model, dag_runs, ...) and the folder of each backend and shared part under tests/hooks/,
+#: which holds that backend's stand-in (fake_modal, fake_islo, sbx_fixtures, openshell_gateway,
+#: opensandbox_harness, egress_servers, ...) beside its tests. Names of modules are therefore unique
+#: across tests/ (test_layout.py checks it).
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+for _folder in [_TESTS, *sorted(e.path for e in os.scandir(os.path.join(_TESTS, "hooks")) if e.is_dir())]:
+    if _folder not in sys.path and not _folder.endswith("__pycache__"):
+        sys.path.append(_folder)
 
 #: Fixtures shared across test folders.
 pytest_plugins = ["scripted_model"]
@@ -120,13 +132,10 @@ def docker_conn(docker_client):
 def opensandbox_server(docker_client, tmp_path_factory):
     """
     The real ``opensandbox-server`` on loopback, one per session, with the project's execd image
-    (``tests/opensandbox_harness.py``); at the end it stops and removes what it created.
+    (``tests/hooks/opensandbox/opensandbox_harness.py``); at the end it stops and removes what it created.
     """
     pytest.importorskip("opensandbox")
-    try:
-        from tests.opensandbox_harness import OpenSandboxServer, missing_prerequisite
-    except ImportError:  # tests/ is not a package: the test directory is on sys.path instead
-        from opensandbox_harness import OpenSandboxServer, missing_prerequisite
+    from opensandbox_harness import OpenSandboxServer, missing_prerequisite
 
     reason = missing_prerequisite(docker_client)
     if reason:
@@ -142,10 +151,7 @@ def opensandbox_server(docker_client, tmp_path_factory):
 @pytest.fixture(scope="session")
 def opensandbox_conn(opensandbox_server):
     """An Airflow connection of type sandbox_opensandbox for the test server and the sandbox image."""
-    try:
-        from tests.opensandbox_harness import SANDBOX_IMAGE
-    except ImportError:  # tests/ is not a package: the test directory is on sys.path instead
-        from opensandbox_harness import SANDBOX_IMAGE
+    from opensandbox_harness import SANDBOX_IMAGE
 
     conn_id = "sandbox_opensandbox_test"
     host, port = opensandbox_server.domain.split(":")

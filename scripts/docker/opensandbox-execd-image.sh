@@ -15,7 +15,8 @@ set -euo pipefail
 log() { printf '[execd-image] %s\n' "$*" >&2; }
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
-GUEST="$HERE/../../src/sandbox_provider/sandbox/guest"
+# The daemon is test infrastructure: it lives with the OpenSandbox tests, not in the package.
+GUEST="$HERE/../../tests/hooks/opensandbox"
 # shellcheck disable=SC1091
 . /etc/os-release
 CODENAME="${VERSION_CODENAME:?/etc/os-release names no VERSION_CODENAME}"

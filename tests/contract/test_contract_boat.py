@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("boat_sdk")
 
-from tests.hooks import fake_boat  # noqa: E402
+import fake_boat  # noqa: E402
 
 boat_service, boat_hook = fake_boat.boat_service, fake_boat.boat_hook  # the stand-in's fixtures
 

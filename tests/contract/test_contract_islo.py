@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("islo")
 
-from tests.hooks import fake_islo  # noqa: E402
+import fake_islo  # noqa: E402
 
 islo_service, islo_hook = fake_islo.islo_service, fake_islo.islo_hook  # the stand-in's fixtures
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import importlib
 import sys
 
+import fake_modal
 import pytest
 
 from contract.battery import SandboxContract
-from hooks import fake_modal
 from sandbox_provider.sandbox import SandboxSpec
 
 

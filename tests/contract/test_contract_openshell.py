@@ -25,7 +25,8 @@ class TestOpenShellContract(SandboxContract):
 
     @pytest.fixture
     def hook(self, tmp_path, monkeypatch):
-        from hooks.openshell_gateway import FakeGateway
+        from openshell_gateway import FakeGateway
+
         from sandbox_provider.hooks.openshell import OpenShellSandboxHook
 
         gateway = FakeGateway(tmp_path / "gateway").start()

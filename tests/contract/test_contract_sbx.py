@@ -24,7 +24,8 @@ class TestSbxContract(SandboxContract):
 
     @pytest.fixture
     def hook(self, docker_client, tmp_path):
-        from hooks.sbx_fixtures import sbx_standin
+        from sbx_fixtures import sbx_standin
+
         from sandbox_provider.hooks.sbx import SbxSandboxHook
 
         with sbx_standin(tmp_path / "sbx", DOCKER_IMAGE) as standin:

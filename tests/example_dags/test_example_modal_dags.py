@@ -16,14 +16,10 @@ import re
 import sys
 from pathlib import Path
 
+import fake_modal
 import pytest
 
 from dag_runs import task_states
-
-try:
-    from tests.hooks import fake_modal
-except ImportError:  # only tests/ is on sys.path
-    from hooks import fake_modal
 
 MODAL_FILE = "example_sandbox_modal.py"
 GUEST_WORKDIR = "/workspace"

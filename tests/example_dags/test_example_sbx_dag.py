@@ -21,7 +21,7 @@ PARSE_PY = "import json, sys\nprint(json.dumps(dict(p.split('=', 1) for p in sys
 
 @pytest.fixture
 def standin_on_path(docker_client, tmp_path, monkeypatch):
-    from hooks.sbx_fixtures import STANDIN, sbx_standin
+    from sbx_fixtures import STANDIN, sbx_standin
 
     with sbx_standin(tmp_path / "sbx", DOCKER_IMAGE) as standin:
         monkeypatch.setenv("PATH", f"{STANDIN.parent}:{os.environ['PATH']}")

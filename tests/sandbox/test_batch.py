@@ -6,8 +6,8 @@ import io
 import tarfile
 
 import pytest
-from tests.fake_hook import FakeSandboxHook
 
+from fake_hook import FakeSandboxHook
 from sandbox_provider.sandbox.batch import (
     ExportLimits,
     ExportRequest,

@@ -73,30 +73,6 @@ def test_write_copies_a_file_on_standard_input_and_checks_its_size(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a"]  # no temporary file left
 
 
-def test_export_into_extracts_each_request_under_its_index(tmp_path):
-    work = tmp_path / "work"
-    (work / "d" / "s").mkdir(parents=True)
-    (work / "d" / "a").write_text("a")
-    (work / "d" / "s" / "b").write_text("b")
-    (work / "x.csv").write_text("x")
-    into = tmp_path / "into"
-    (into / "0").mkdir(parents=True)
-    (into / "1").mkdir()
-    tree = guest.program("export_tree.sh")
-    done = sh("export_into.sh", into, tree, 1 << 20, 100, "tree", "d", "glob", "./\n*.csv", cwd=work)
-    assert done.returncode == 0, done.stderr
-    assert sorted(str(p.relative_to(into)) for p in into.rglob("*") if p.is_file()) == ["0/a", "0/s/b", "1/x.csv"]
-    missing = sh("export_into.sh", into, tree, 1 << 20, 100, "tree", "d", "tree", "nope", cwd=work)
-    assert missing.returncode == guest.MISSING_STATUS and b"sandbox-export-failed:1" in missing.stderr
-    nothing = sh("export_into.sh", into, tree, 1 << 20, 100, "glob", "./\n*.none", cwd=work)
-    assert nothing.returncode == 0  # an empty archive ends the stream: nothing matched is no failure
-    # Past its caps it stops, whatever the archive still holds: the members' bytes, their number.
-    (work / "d" / "big").write_bytes(b"z" * 100_000)
-    (tmp_path / "into2" / "0").mkdir(parents=True)
-    assert sh("export_into.sh", tmp_path / "into2", tree, 99_999, 100, "tree", "d", cwd=work).returncode == 71
-    assert sh("export_into.sh", into, tree, 1 << 20, 2, "tree", "d", cwd=work).returncode == 72
-
-
 def test_write_concatenates_pieces_a_file_api_wrote(tmp_path):
     temp = sh("write.sh", "start", "out.bin", cwd=tmp_path).stdout.decode().strip()
     (tmp_path / temp).write_bytes(b"\x00first|")

@@ -64,7 +64,7 @@ GATEWAY_RANGES = (
 
 @pytest.mark.parametrize("hook", [LocalSandboxHook(), DockerSandboxHook()], ids=["local", "docker"])
 def test_allowlists_through_the_egress_gateway(hook, monkeypatch):
-    from sandbox_provider.sandbox import egress
+    from sandbox_provider.hooks import egress
 
     monkeypatch.setattr(egress, "missing_tools", lambda **_: [])
     monkeypatch.setattr("os.geteuid", lambda: 0)  # the Docker forwarder needs a root worker
@@ -83,7 +83,7 @@ def test_allowlists_through_the_egress_gateway(hook, monkeypatch):
 @pytest.mark.parametrize("hook", [LocalSandboxHook(), DockerSandboxHook()], ids=["local", "docker"])
 @pytest.mark.parametrize("spec", [HOSTS, CIDRS, BOTH], ids=["hosts", "cidrs", "both"])
 def test_allowlists_without_the_gateway_are_described_as_refused(hook, spec, monkeypatch):
-    from sandbox_provider.sandbox import egress
+    from sandbox_provider.hooks import egress
 
     monkeypatch.setattr(egress, "missing_tools", lambda **_: ["socat on the worker (apt-get install socat)"])
     text = hook.network_description(spec)

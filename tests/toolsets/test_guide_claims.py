@@ -12,6 +12,7 @@ import socket
 import sys
 import threading
 
+import fake_modal
 import pytest
 from pydantic_ai import Agent
 from pydantic_ai.exceptions import UserError
@@ -24,17 +25,11 @@ from sandbox_provider.sandbox import SandboxSpec, SandboxTerminalError
 from sandbox_provider.toolsets import SandboxToolset
 from scripted_model import Script
 
-try:
-    from tests.hooks import fake_modal
-except ImportError:  # tests/ is not a package: its folders are on sys.path instead
-    sys.path.insert(0, __file__.rsplit("/toolsets/", 1)[0] + "/hooks")
-    import fake_modal
-
 pytestmark = requires_bwrap
 
 try:  # the hosted stand-ins' fixtures, when their SDKs are installed
-    from tests.hooks.fake_boat import boat_hook, boat_service  # noqa: F401
-    from tests.hooks.fake_islo import islo_hook, islo_service  # noqa: F401
+    from fake_boat import boat_hook, boat_service  # noqa: F401
+    from fake_islo import islo_hook, islo_service  # noqa: F401
 except ImportError:
     pass
 
@@ -101,8 +96,9 @@ def backend(request, local, tmp_path, monkeypatch):
         # Boat cannot block egress: its sandboxes are open, and the toolset must say so.
         yield name, make(), SandboxSpec(block_network=name != "boat"), None
     elif name == "sbx":
+        from sbx_fixtures import sbx_standin
+
         from conftest import DOCKER_IMAGE
-        from hooks.sbx_fixtures import sbx_standin
         from sandbox_provider.hooks.sbx import SbxSandboxHook
 
         request.getfixturevalue("docker_client")
@@ -110,7 +106,8 @@ def backend(request, local, tmp_path, monkeypatch):
             yield name, SbxSandboxHook(sbx_path=standin.path, host_network_policy="deny-all", memory="1g"), None, None
     else:
         pytest.importorskip("openshell")
-        from hooks.openshell_gateway import FakeGateway
+        from openshell_gateway import FakeGateway
+
         from sandbox_provider.hooks.openshell import OpenShellSandboxHook
 
         gateway = FakeGateway(tmp_path / "gateway").start()
@@ -212,7 +209,7 @@ def test_modal_hostname_list_description_says_port_443_only_and_open_dns(modal_f
 
 
 def test_a_setting_the_backend_cannot_enforce_fails_before_anything_runs(local, state_root, modal_fake, monkeypatch):
-    from sandbox_provider.sandbox import egress
+    from sandbox_provider.hooks import egress
 
     # A worker without the egress gateway's tools cannot enforce a hostname allowlist.
     monkeypatch.setattr(egress, "missing_tools", lambda **_: ["socat on the worker (apt-get install socat)"])

@@ -26,16 +26,16 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from airflow.sdk.bases.decorator import DecoratedOperator, TaskDecorator, task_decorator_factory
 from airflow.sdk.definitions.context import KNOWN_CONTEXT_KEYS
 
+from sandbox_provider.engine.options import is_reference
 from sandbox_provider.operators.sandbox import SandboxCommandError, SandboxOperator
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError
-from sandbox_provider.sandbox.options import is_reference
 from sandbox_provider.sandbox.output import format_size
 
 if TYPE_CHECKING:
     from airflow.sdk import Context
 
-    from sandbox_provider.sandbox.session import SandboxSession
+    from sandbox_provider.engine.session import SandboxSession
     from sandbox_provider.sandbox.spec import SandboxExecResult
 
 __all__ = ["sandbox_task"]

@@ -1,10 +1,13 @@
 """
-One hook per backend, and the lookup from a connection to its hook.
+One folder per backend (``hooks/<backend>/``: ``hook.py`` the hook, ``driver.py`` plain functions over
+the vendor's SDK, ``guest/`` the programs only it runs), what several backends share (``egress/``, the
+gateway of local and Docker; ``hosted/``), the connection forms (``forms/``, free of Airflow), and the
+lookup from a connection to its hook.
 
-:data:`HOOK_CLASSES` is the one list of backends: it drives the connection types Airflow registers
-(with their form fields, from each hook's settings table), :func:`get_sandbox_hook`, and the lazy
-``*SandboxBackend`` exports of :mod:`sandbox_provider.sandbox`. Hook modules import their vendor's
-SDK only when a sandbox is used, so loading a hook class is cheap.
+:data:`BACKENDS` is the one list of backends: it drives the connection types Airflow registers
+(with their form fields, from each hook's settings table) and :func:`get_sandbox_hook`; the
+``*SandboxBackend`` names of :mod:`sandbox_provider.sandbox` are checked against it. Hook modules
+import their vendor's SDK only when a sandbox is used, so loading a hook class is cheap.
 """
 
 from __future__ import annotations

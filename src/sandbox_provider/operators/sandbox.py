@@ -9,18 +9,18 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 
+from sandbox_provider.engine.options import SessionOptions, check_attachable
+from sandbox_provider.engine.output import LineLog, mask_stream, tail_text
+from sandbox_provider.engine.session import SandboxSession
+from sandbox_provider.engine.transfer import DEFAULT_MAX_EXPORT_BYTES
 from sandbox_provider.hooks import get_sandbox_hook
 from sandbox_provider.sandbox.hook import SandboxHook
-from sandbox_provider.sandbox.options import SessionOptions, check_attachable
-from sandbox_provider.sandbox.output import LineLog, mask_stream, tail_text
-from sandbox_provider.sandbox.session import SandboxSession
 from sandbox_provider.sandbox.spec import (
     SandboxExecResult,
     SandboxSpec,
     check_byte_count,
     check_positive,
 )
-from sandbox_provider.sandbox.transfer import DEFAULT_MAX_EXPORT_BYTES
 
 if TYPE_CHECKING:
     from airflow.sdk import Context

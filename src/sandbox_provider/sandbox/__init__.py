@@ -1,10 +1,12 @@
 """
-The sandbox contract and the session engine.
+The sandbox contract: what a backend implements and every consumer relies on.
 
 Backends are importable from here under their hook name and under the ``*SandboxBackend`` name
-the public guide uses (``ModalSandboxBackend``). Everything that imports Airflow or a backend loads
-on first use, so this package, its value types and its settings import without Airflow being
-initialised (Airflow reads the provider's connection forms while it starts).
+the public guide uses (``ModalSandboxBackend``), and so are the engine's ``SandboxSession`` and
+``task_holder``. Everything that imports Airflow, the engine or a backend loads on first use, from
+the static map :data:`LAZY` (this package imports nothing above it), so this package, its value
+types and its settings import without Airflow being initialised (Airflow reads the provider's
+connection forms while it starts).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from sandbox_provider.hooks import HOOK_CLASSES
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
 from sandbox_provider.sandbox.spec import (
     AttachedSandbox,
@@ -22,20 +23,31 @@ from sandbox_provider.sandbox.spec import (
     is_sandbox_handle,
 )
 
-_LAZY = {
-    "SandboxHook": "sandbox_provider.sandbox.hook",
-    "SandboxBackend": "sandbox_provider.sandbox.hook",
-    "SandboxSession": "sandbox_provider.sandbox.session",
-    "task_holder": "sandbox_provider.sandbox.session",
+#: Name -> ``"module:Name"`` of what this package serves on first use. Every backend of
+#: :data:`sandbox_provider.hooks.BACKENDS` is here under its hook class name and the guide's
+#: ``*SandboxBackend`` name (a test holds the two lists together).
+LAZY: dict[str, str] = {
+    "SandboxHook": "sandbox_provider.sandbox.hook:SandboxHook",
+    "SandboxBackend": "sandbox_provider.sandbox.hook:SandboxBackend",
+    "SandboxSession": "sandbox_provider.engine.session:SandboxSession",
+    "task_holder": "sandbox_provider.engine.session:task_holder",
+    "LocalSandboxHook": "sandbox_provider.hooks.local:LocalSandboxHook",
+    "LocalSandboxBackend": "sandbox_provider.hooks.local:LocalSandboxBackend",
+    "DockerSandboxHook": "sandbox_provider.hooks.docker:DockerSandboxHook",
+    "DockerSandboxBackend": "sandbox_provider.hooks.docker:DockerSandboxBackend",
+    "ModalSandboxHook": "sandbox_provider.hooks.modal:ModalSandboxHook",
+    "ModalSandboxBackend": "sandbox_provider.hooks.modal:ModalSandboxBackend",
+    "IsloSandboxHook": "sandbox_provider.hooks.islo:IsloSandboxHook",
+    "IsloSandboxBackend": "sandbox_provider.hooks.islo:IsloSandboxBackend",
+    "BoatSandboxHook": "sandbox_provider.hooks.boat:BoatSandboxHook",
+    "BoatSandboxBackend": "sandbox_provider.hooks.boat:BoatSandboxBackend",
+    "OpenSandboxHook": "sandbox_provider.hooks.opensandbox:OpenSandboxHook",
+    "OpenSandboxBackend": "sandbox_provider.hooks.opensandbox:OpenSandboxBackend",
+    "OpenShellSandboxHook": "sandbox_provider.hooks.openshell:OpenShellSandboxHook",
+    "OpenShellSandboxBackend": "sandbox_provider.hooks.openshell:OpenShellSandboxBackend",
+    "SbxSandboxHook": "sandbox_provider.hooks.sbx:SbxSandboxHook",
+    "SbxSandboxBackend": "sandbox_provider.hooks.sbx:SbxSandboxBackend",
 }
-# The *SandboxBackend names of the guide, from the one list of backends.
-_LAZY.update(
-    {
-        alias: path.partition(":")[0]
-        for path in HOOK_CLASSES
-        for alias in (path.partition(":")[2], path.partition(":")[2].replace("Hook", "Backend"))
-    }
-)
 
 __all__ = [
     "AttachedSandbox",
@@ -46,12 +58,13 @@ __all__ = [
     "SandboxTerminalError",
     "dag_run_owner",
     "is_sandbox_handle",
-    *_LAZY,
+    *LAZY,
 ]
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
+    path = LAZY.get(name)
+    if path is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    module, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module), attribute)

@@ -14,6 +14,7 @@ import binascii
 import io
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable
 from typing import IO
@@ -34,6 +35,7 @@ __all__ = [
     "file_status_error",
     "parse_listing",
     "reported_size",
+    "special_kind_of",
     "write_step_error",
     "write_through_temp",
 ]
@@ -400,3 +402,16 @@ def _remaining_size(source: IO[bytes]) -> int | None:
         return end - here
     except (AttributeError, OSError, ValueError):
         return None
+
+
+def special_kind_of(mode: int) -> str | None:
+    """What a file of ``mode`` is, in words, unless it is a regular file, a directory or a symlink."""
+    for test, words in (
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a named pipe"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return words
+    return None if stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode) else "a special file"

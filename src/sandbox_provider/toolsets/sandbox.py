@@ -1,7 +1,7 @@
 """
 ``SandboxToolset``: a shell and files in an isolated sandbox, as pydantic-ai tools.
 
-The toolset is a thin layer over :class:`~sandbox_provider.sandbox.session.SandboxSession`: the
+The toolset is a thin layer over :class:`~sandbox_provider.engine.session.SandboxSession`: the
 session provisions or attaches, runs, exports and tears down; the toolset turns model requests
 into session calls and shapes what comes back (masked, then cut to the output limits).
 """
@@ -21,21 +21,14 @@ from pydantic_ai.tools import ToolDefinition
 from pydantic_ai.toolsets.abstract import AbstractToolset, ToolsetTool
 from typing_extensions import TypedDict
 
+from sandbox_provider.engine.options import SessionOptions, check_attachable
+from sandbox_provider.engine.output import MASK_MARGIN_BYTES, command_output, file_window, head_lines, mask_text
+from sandbox_provider.engine.session import SandboxSession
+from sandbox_provider.engine.transfer import DEFAULT_MAX_EXPORT_BYTES
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
 from sandbox_provider.sandbox.hook import SandboxHook
-from sandbox_provider.sandbox.options import SessionOptions, check_attachable
-from sandbox_provider.sandbox.output import (
-    MASK_MARGIN_BYTES,
-    command_output,
-    file_window,
-    format_size,
-    head_lines,
-    listing,
-    mask_text,
-)
-from sandbox_provider.sandbox.session import SandboxSession
+from sandbox_provider.sandbox.output import format_size, listing
 from sandbox_provider.sandbox.spec import OWNER_TAG, SandboxSpec, check_byte_count, check_positive
-from sandbox_provider.sandbox.transfer import DEFAULT_MAX_EXPORT_BYTES
 from sandbox_provider.toolsets._agent_guards import (
     explain_refused_approval,
     present_to_agent_operator,

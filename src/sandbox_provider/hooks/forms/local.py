@@ -8,7 +8,7 @@ DEFAULT_SANDBOX_TIMEOUT = 3600.0
 DEFAULT_MAX_PROCESSES = 1024
 #: /dev/shm of each command, in bytes (Docker's default).
 DEFAULT_SHM_BYTES = 64 * 1024 * 1024
-#: The host user ids a root worker leases to its sandboxes (see hooks/_local_ids.py).
+#: The host user ids a root worker leases to its sandboxes (see hooks/local/ids.py).
 DEFAULT_UID_RANGE = "1900000000-1900065535"
 DEFAULT_CGROUP_PARENT = "airflow-sandbox"
 _BYTES: dict = {"kind": int, "minimum": 1, "unit": "bytes"}

@@ -1,5 +1,5 @@
 """
-Every program that runs inside a sandbox, in one place.
+The programs that run inside a sandbox and several backends share, and the loader of every guest program.
 
 Each program is a file beside this module: POSIX ``sh`` scripts (``*.sh``) and standard-library
 Python (``*.py``). They take their input as positional arguments, never by text pasted into the
@@ -7,6 +7,8 @@ program, so a path or a command cannot change what the program does. Each one ru
 ``sh`` or ``python3`` on the host too, and is tested there.
 
 Run one through a shell command line with :func:`shell_command`, or read its text with :func:`program`.
+A program only one backend uses lives in that backend's own ``guest/`` folder
+(``hooks/<backend>/guest/``), whose ``__init__.py`` loads it with a :class:`GuestPrograms` of its own.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import shlex
 from importlib import resources
 
 __all__ = [
+    "GuestPrograms",
     "IS_DIR_STATUS",
     "MISSING_STATUS",
     "NOT_REGULAR_STATUS",
@@ -39,30 +42,52 @@ RUN_TIMEOUT_STATUS, RUN_SETUP_STATUS, RUN_NO_SETSID_STATUS = 124, 125, 127
 RUN_MARK = b"airflow-sandbox: "
 
 
-@functools.cache
-def program(name: str) -> str:
+class GuestPrograms:
     """
-    Return the text of the guest program ``name`` (a file name such as ``"file.sh"``).
+    The guest programs of one package: the files beside its ``__init__.py``.
 
-    :raises FileNotFoundError: for a name that is not a guest program.
+    :param package: the dotted name of the package that holds the programs (its ``__name__``).
     """
+
+    def __init__(self, package: str) -> None:
+        self.package = package
+
+    def program(self, name: str) -> str:
+        """
+        Return the text of the guest program ``name`` (a file name such as ``"file.sh"``).
+
+        :raises FileNotFoundError: for a name that is not a guest program of this package.
+        """
+        return _read(self.package, name)
+
+    def shell_command(self, name: str, *args: object) -> str:
+        """
+        A ``sh -c`` command line that runs the shell program ``name`` with ``args`` as ``$1``, ``$2``, ...
+
+        :raises ValueError: for a program that is not a ``.sh`` file, or an argument holding NUL.
+        """
+        if not name.endswith(".sh"):
+            raise ValueError(f"{name!r} is not a shell program")
+        words = [str(a) for a in args]
+        if any("\0" in w for w in words):
+            raise ValueError("an argument of a guest program holds a NUL character")
+        return " ".join(["sh", "-c", shlex.quote(self.program(name)), shlex.quote(name), *map(shlex.quote, words)])
+
+
+@functools.cache
+def _read(package: str, name: str) -> str:
     if "/" in name or name.startswith(".") or name == "__init__.py":
         raise FileNotFoundError(f"{name!r} is not a guest program")
-    return resources.files(__name__).joinpath(name).read_text(encoding="utf-8")
+    try:
+        return resources.files(package).joinpath(name).read_text(encoding="utf-8")
+    except (FileNotFoundError, IsADirectoryError):
+        raise FileNotFoundError(f"{name!r} is not a guest program of {package}") from None
 
 
-def shell_command(name: str, *args: object) -> str:
-    """
-    A ``sh -c`` command line that runs the shell program ``name`` with ``args`` as ``$1``, ``$2``, ...
-
-    :raises ValueError: for a program that is not a ``.sh`` file, or an argument holding NUL.
-    """
-    if not name.endswith(".sh"):
-        raise ValueError(f"{name!r} is not a shell program")
-    words = [str(a) for a in args]
-    if any("\0" in w for w in words):
-        raise ValueError("an argument of a guest program holds a NUL character")
-    return " ".join(["sh", "-c", shlex.quote(program(name)), shlex.quote(name), *map(shlex.quote, words)])
+#: The shared programs (this package's).
+SHARED = GuestPrograms(__name__)
+program = SHARED.program
+shell_command = SHARED.shell_command
 
 
 def run_session_argv(seconds: float, workdir: str, envfile: str = "") -> list[str]:

@@ -1,0 +1,407 @@
+"""
+Commands and file operations of the Docker backend, as a mixin of
+:class:`~sandbox_provider.hooks.docker.DockerSandboxHook`: every program runs through exec as the
+sandbox's command user, one at a time per sandbox, and the sandbox is swept after it.
+
+- A command runs under the runner (``guest/docker_run.sh``), whose closing ``kill(-1)`` ends
+  everything else of the command user; a runner that did not end by itself has the keeper sweep.
+- A file operation runs a shared guest program under ``guest/docker_op.sh``; its bytes travel on
+  the exec's standard streams (see :mod:`~sandbox_provider.hooks.docker.exec`), never through a tail
+  buffer.
+- A batch (``import_batch``, ``export_batch``, files staged with a command) is one exec per
+  direction: tar through the exec, as the command user (see :mod:`~sandbox_provider.hooks.docker.batch`).
+- The first program in a new sandbox waits inside for the keeper (``guest/docker_wait.sh``), so
+  creating a sandbox costs no request to look for it.
+- A staged command can read back the file its caller reads next (``run_command(read_back=...)``,
+  what ``@task.sandbox`` does with its return value): once the command succeeded and nothing of it
+  is left, its runner reads the file as the command user and sends it on its status trailer, which
+  the command cannot forge; :meth:`DockerExec.read_file` serves that copy, and reads on its own
+  whatever the copy cannot serve.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import IO, TYPE_CHECKING, Any, cast
+
+from sandbox_provider.hooks.docker import batch, driver
+from sandbox_provider.hooks.docker import exec as docker_exec
+from sandbox_provider.sandbox import guest
+from sandbox_provider.sandbox.batch import (
+    ExportLimits,
+    ExportRequest,
+    ExportSink,
+    ImportEntry,
+    default_export_batch,
+)
+from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
+from sandbox_provider.sandbox.files import file_failure
+from sandbox_provider.sandbox.hook import FILE_OP_TIMEOUT, OutputSink, RunOutcome
+from sandbox_provider.sandbox.spec import WORKDIR_TAG, SandboxExecResult, check_byte_count, check_path
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DockerExec"]
+
+
+def _engine_errors() -> tuple[type[BaseException], ...]:
+    import docker.errors
+    import requests
+
+    return (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
+
+
+class DockerExec:
+    """Mixin: ``_run``, file operations and batch transfers over exec; put it first in the bases."""
+
+    if TYPE_CHECKING:
+        workdir: str
+        min_transfer_rate: int
+        _where: str
+        _read_back_paths: dict[str, str]
+        _read_backs: dict[str, tuple[str, bytes]]
+
+        def _client(self) -> Any: ...
+        def _labels(self, handle: str) -> dict[str, str]: ...
+        def _resolved(self) -> dict[str, Any]: ...
+        def _engine_error(self, err: BaseException, doing: str, handle: str | None = None) -> SandboxError: ...
+        def _destroy(self, handle: str) -> None: ...
+        def _forget(self, handle: str) -> None: ...
+        def _keeper_log(self, container: str) -> str: ...
+        def _deadline(self, handle: str, timeout: float) -> float: ...
+        def check_handle(self, handle: Any) -> str: ...
+        def export_file(self, handle: str, path: str, stream: IO[bytes], *, max_bytes: int) -> int: ...
+
+    def _exec(
+        self,
+        handle: str,
+        argv: list[str],
+        *,
+        timeout: float,
+        on_output: Callable[[int, bytes], None],
+        stdin: IO[bytes] | None = None,
+        stdin_size: int = 0,
+        read_back: str | None = None,
+        command_seconds: float | None = None,
+    ) -> tuple[RunOutcome, int]:
+        """
+        Run ``argv`` in the sandbox as its command user, one at a time per sandbox, and sweep after;
+        output goes to ``on_output(1 | 2, bytes)``. ``read_back``: the path the runner reads back
+        (``runner_argv``); its bytes are kept for the next :meth:`read_file` of it.
+        ``command_seconds``: the command's own deadline when ``timeout`` also allows for staging (a
+        status of 124 or 137 past it is a timeout).
+
+        Returns the outcome and the bytes read from ``stdin``. A sandbox that cannot be swept is
+        destroyed, and the outcome says it ended.
+        """
+        self._read_backs.pop(handle, None)  # what the sandbox held before this program may change now
+        labels = self._labels(handle)
+        api = self._client().api
+        first = bytearray()
+
+        def deliver(stream: int, data: bytes) -> None:
+            if len(first) < 1024:
+                first.extend(data[: 1024 - len(first)])
+            on_output(stream, data)
+
+        with driver.sandbox_lock(handle):
+            self._sweep_first(handle)
+            driver.mark_swept(handle, False)
+            fresh = driver.is_fresh(handle)
+            began = time.monotonic()
+            try:
+                end = docker_exec.run_exec(
+                    api,
+                    handle,
+                    driver.wait_argv(argv) if fresh else argv,
+                    user=labels[driver.USER_LABEL],
+                    workdir=labels.get(WORKDIR_TAG) or self.workdir,
+                    deadline=timeout,
+                    on_output=deliver,
+                    sweep=lambda: driver.sweep(api, handle),
+                    stdin=stdin,
+                    stdin_size=stdin_size,
+                    trust_status=labels[driver.USER_LABEL] != "0:0",
+                )
+            except _engine_errors() as err:  # a task timeout or Ctrl-C raised meanwhile goes on as it is
+                raise self._exec_error(err, handle, fresh) from err
+            terminated = self._settle(handle, end, read_back)
+        if fresh:
+            self._check_keeper(handle, end, first)
+        elapsed = time.monotonic() - began
+        return self._outcome(handle, end, first, elapsed, command_seconds or timeout, terminated), end.stdin_read
+
+    def _settle(self, handle: str, end: docker_exec.ExecEnd, read_back: str | None) -> bool:
+        """After an exec, under the sandbox's lock: mark the sandbox swept, or sweep it; True when it ended."""
+        # A runner that ended by itself killed everything else of the command user, and nothing
+        # could stop that but killing or stopping it (a status over 127, or the deadline).
+        if not end.swept and end.error is None and end.exit_code is not None and end.exit_code < 128:
+            driver.mark_swept(handle, True)
+            if read_back is not None and end.read_back is not None:
+                self._read_backs[handle] = (read_back, end.read_back)
+            return False
+        return not self._swept_after(handle, already=end.swept and not end.sweep_failed)
+
+    def _outcome(
+        self,
+        handle: str,
+        end: docker_exec.ExecEnd,
+        first: bytes | bytearray,
+        elapsed: float,
+        timeout: float,
+        terminated: bool,
+    ) -> RunOutcome:
+        if not end.started:  # the runtime could not start the program: nothing ran
+            text = first.decode(errors="replace").strip()
+            raise SandboxTerminalError(f"The Docker Engine could not start a process in sandbox {handle}: {text}")
+        if end.error is not None and not terminated:
+            raise self._engine_error(end.error, "reading a command's output", handle) from end.error
+        code = end.exit_code
+        if terminated or code is None:
+            return RunOutcome(exit_code=-1, timed_out=end.swept, sandbox_terminated=True)
+        return RunOutcome(exit_code=code, timed_out=end.swept or (code in (124, 137) and elapsed >= timeout))
+
+    def _check_keeper(self, handle: str, end: docker_exec.ExecEnd, first: bytes | bytearray) -> None:
+        """After the first program in a new sandbox: it found the keeper ready, or the sandbox is given up."""
+        if end.exit_code == driver.KEEPER_MISSING_STATUS and driver.KEEPER_MISSING_MARK in first:
+            self._keeper_failed(handle)
+        driver.mark_fresh(handle, False)
+
+    def _keeper_failed(self, handle: str) -> None:
+        logs = self._keeper_log(handle)
+        self._destroy(handle)
+        raise SandboxTerminalError(
+            f"Sandbox container {handle} started on {self._where} but its keeper did not come up{logs}. The image "
+            f"{self._resolved()['image']!r} needs sh, sleep, cp, chmod, chown, mkdir, coreutils timeout and GNU tar; "
+            "name another image in the connection's image extra."
+        )
+
+    def _exec_error(self, err: BaseException, handle: str, fresh: bool) -> SandboxError:
+        import docker.errors
+
+        if fresh and isinstance(err, docker.errors.APIError) and err.status_code in (404, 409):
+            driver.mark_fresh(handle, False)
+            self._keeper_failed(handle)  # the keeper ended, and the container with it
+        return self._engine_error(err, "starting a command", handle)
+
+    def _sweep_first(self, handle: str) -> None:
+        """Before the first operation of this process on a sandbox: end what an earlier holder left running."""
+        if not driver.known_swept(handle) and not self._swept_after(handle, already=False):
+            raise SandboxTerminalError(
+                f"Sandbox {handle} was destroyed: its keeper did not answer, so processes left running in it by an "
+                "earlier command could not be ended. Provision a new sandbox."
+            )
+
+    def _swept_after(self, handle: str, *, already: bool) -> bool:
+        """
+        True once the keeper has swept the sandbox (or ``already`` did); False when the sandbox has
+        ended, or did not answer and was destroyed.
+        """
+        import docker.errors
+
+        api = self._client().api
+        try:
+            done = already or driver.sweep(api, handle)
+        except docker.errors.APIError as err:
+            if err.status_code in (404, 409):
+                self._forget(handle)
+                return False
+            raise self._engine_error(err, "sweeping the sandbox after a command", handle) from err
+        except Exception as err:
+            raise self._engine_error(err, "sweeping the sandbox after a command", handle) from err
+        if not done:
+            if not driver.is_running(api, handle):
+                self._forget(handle)
+                return False
+            log.warning(
+                "Destroying Docker sandbox %s: its keeper did not confirm within %ss that no process of the last "
+                "command is left (something in the sandbox stopped it)",
+                handle,
+                driver.SWEEP_TIMEOUT,
+            )
+            self._destroy(handle)
+            return False
+        driver.mark_swept(handle, True)
+        return True
+
+    def _run(self, handle: str, command: str, *, timeout: float, output: OutputSink) -> RunOutcome:
+        if not driver.is_utf8(command):
+            raise SandboxError(
+                "command must be valid UTF-8 text; it holds characters that cannot be encoded (undecodable "
+                "bytes carried as surrogates)."
+            )
+        self._read_back_paths.pop(handle, None)  # read back only by a staged run's runner, whose allowance has room
+        argv = driver.runner_argv(command, timeout)
+
+        def deliver(stream: int, data: bytes) -> None:
+            (output.stderr if stream == 2 else output.stdout)(data)
+
+        outcome, _ = self._exec(handle, argv, timeout=float(driver.deadline_arg(timeout)), on_output=deliver)
+        return outcome
+
+    def _stream_script(
+        self,
+        handle: str,
+        program: str,
+        *args: object,
+        timeout: float,
+        on_stdout: Any = None,
+        stdin: IO[bytes] | None = None,
+        stdin_size: int = 0,
+    ) -> tuple[SandboxExecResult, int]:
+        # File operations: the shared guest programs, run as the command user like any command. The
+        # bytes of standard output go straight to on_stdout, never through a tail buffer.
+        handle = self.check_handle(handle)
+        budget = self._deadline(handle, timeout)
+        sink = OutputSink(64 * 1024)
+
+        def deliver(stream: int, data: bytes) -> None:
+            if stream == 2:
+                sink.stderr(data)
+            elif on_stdout is not None:
+                on_stdout(data)
+            else:
+                sink.stdout(data)
+
+        argv = driver.op_argv(guest.program(program), program, *map(str, args))
+        outcome, read = self._exec(handle, argv, timeout=budget, on_output=deliver, stdin=stdin, stdin_size=stdin_size)
+        return sink.result(outcome, budget), read
+
+    def _check_path(self, path: str) -> str:
+        check_path(path)
+        if not driver.is_utf8(path):
+            raise SandboxError(
+                f"{path!r} is not valid UTF-8 (it carries undecodable bytes as surrogates); paths in a Docker "
+                "sandbox must be valid UTF-8 text."
+            )
+        return path
+
+    def list_directory(self, handle: str, path: str = ".") -> list[tuple[str, bool]]:
+        """
+        List the entries of the directory at ``path`` as ``(name, is_directory)`` pairs, sorted by name.
+
+        :raises SandboxError: if ``path`` is unusable, missing or not a directory.
+        """
+        return super().list_directory(handle, self._check_path(path))  # type: ignore[misc]
+
+    # -- batch transfers: one exec per direction (see batch.py) -------------------------------------
+
+    def _archive(self, handle: str, entries: Sequence[ImportEntry]) -> batch.ImportArchive:
+        for entry in entries:
+            self._check_path(entry.path)
+        uid, _, gid = self._labels(handle)[driver.USER_LABEL].partition(":")
+        return batch.ImportArchive(entries, uid=int(uid), gid=int(gid or uid))
+
+    def import_batch(self, handle: str, entries: Sequence[ImportEntry]) -> int:
+        """
+        Write every entry in one exec: a tar archive built as it streams, extracted in the sandbox
+        by GNU ``tar`` as the command user (parent directories made, a file or symlink at a path
+        replaced, symlinks above it resolved as a command meets them). Returns the bytes written.
+
+        :raises SandboxError: naming the entry, for a path that cannot be written or a source that
+            did not hold its size; :raises SandboxTerminalError: if the sandbox is gone.
+        """
+        handle = self.check_handle(handle)
+        if not entries:
+            return 0
+        archive = self._archive(handle, entries)
+        allowance = max(FILE_OP_TIMEOUT, archive.size / self.min_transfer_rate)
+        result, _ = self._stream_script(
+            handle, "stage.sh", timeout=allowance, stdin=cast(IO[bytes], archive), stdin_size=archive.size
+        )
+        if archive.error is not None:
+            raise archive.error
+        if result.timed_out or result.sandbox_terminated:
+            raise file_failure(result, "the staged files", "writing")
+        if not result.ok:
+            raise batch.import_failure(entries, result.stderr)
+        return sum(int(entry.size) for entry in entries)
+
+    def _read_back_hint(self, handle: str, path: str) -> None:
+        # The runner of the next command reads the file back on its trailer, which only a command
+        # user's runner can vouch for (a root command could read its token and forge it).
+        if self._labels(handle)[driver.USER_LABEL] != "0:0" and driver.is_utf8(path):
+            self._read_back_paths[handle] = path
+
+    def read_file(self, handle: str, path: str, *, max_bytes: int) -> bytes:
+        """
+        Return the bytes of ``path``: the copy the last command's runner read back when it was
+        asked to (``run_command(read_back=path)``) and it fits ``max_bytes``, or else read now.
+
+        :raises SandboxFileTooLargeError: over ``max_bytes``; :raises SandboxError: for a missing,
+            unreadable or not regular file; :raises SandboxTerminalError: if the sandbox is gone.
+        """
+        handle = self.check_handle(handle)
+        self._check_path(path)
+        check_byte_count(max_bytes, "max_bytes")
+        kept = self._read_backs.get(handle)
+        if kept is not None and kept[0] == path and len(kept[1]) <= max_bytes:
+            return kept[1]
+        return super().read_file(handle, path, max_bytes=max_bytes)  # type: ignore[misc]
+
+    def _run_staged(
+        self, handle: str, command: str, stage: Sequence[ImportEntry], *, timeout: float, output: OutputSink
+    ) -> RunOutcome:
+        # The files and the command in one exec: the runner extracts the archive, then runs the
+        # command, then reads back the file the caller reads next, if it named one.
+        read_back = self._read_back_paths.pop(handle, None)
+        archive = self._archive(handle, stage)
+        errors = bytearray()
+
+        def deliver(stream: int, data: bytes) -> None:
+            if stream == 2 and len(errors) < 64 * 1024:
+                errors.extend(data)
+            (output.stderr if stream == 2 else output.stdout)(data)
+
+        argv = driver.runner_argv(command, timeout, staged=True, read_back=read_back)
+        allowance = float(driver.deadline_arg(timeout)) + max(FILE_OP_TIMEOUT, archive.size / self.min_transfer_rate)
+        outcome, _ = self._exec(
+            handle,
+            argv,
+            timeout=allowance,
+            on_output=deliver,
+            stdin=cast(IO[bytes], archive),
+            stdin_size=archive.size,
+            read_back=read_back,
+            command_seconds=float(driver.deadline_arg(timeout)),
+        )
+        if archive.error is not None:
+            raise archive.error
+        text = errors.decode(errors="replace")
+        if outcome.exit_code == batch.STAGE_FAILED_STATUS and batch.STAGE_FAILED_MARK in text.splitlines():
+            raise batch.import_failure(stage, text)
+        return outcome
+
+    def export_batch(
+        self, handle: str, requests: Sequence[ExportRequest], sink: ExportSink, *, limits: ExportLimits
+    ) -> int:
+        """
+        Copy what every request names out in one exec: one file alone streams as it is (see
+        :meth:`export_file`); anything else comes as tar archives written in the sandbox by GNU
+        ``tar`` as the command user (symlinks followed as it sees them), every member checked
+        before its bytes reach ``sink``. Returns the bytes exported.
+
+        :raises SandboxFileTooLargeError: over a limit; :raises SandboxError: missing, wrong kind,
+            hostile member; :raises SandboxTerminalError: if the sandbox is gone.
+        """
+        handle = self.check_handle(handle)
+        for request in requests:
+            self._check_path(request.path)
+        if len(requests) == 1 and requests[0].kind == "file":
+            return default_export_batch(cast(Any, self), handle, requests, sink, limits=limits)
+        pipe = batch.ArchivePipe(requests, sink, limits)
+        allowance = max(FILE_OP_TIMEOUT, limits.max_total_bytes / self.min_transfer_rate)
+        arguments = batch.export_arguments(requests)
+        try:
+            result, _ = self._stream_script(
+                handle, "export_tree.sh", *arguments, timeout=allowance, on_stdout=pipe.write
+            )
+        finally:
+            pipe.finish()
+        if result.timed_out or result.sandbox_terminated:
+            raise file_failure(result, "the export", "exporting")
+        if not result.ok:
+            raise batch.export_failure(requests, result.exit_code, result.stderr)
+        return pipe.total

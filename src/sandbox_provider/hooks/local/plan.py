@@ -1,0 +1,129 @@
+"""
+What every launch of one local sandbox needs, worked out once per sandbox: bubblewrap's options,
+the environment, the limits, the user and the tools (``Plan``), and the caches behind it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from sandbox_provider.hooks import egress
+from sandbox_provider.hooks.local import driver, state
+from sandbox_provider.sandbox.attach import expiry_of
+from sandbox_provider.sandbox.errors import SandboxTerminalError
+from sandbox_provider.sandbox.spec import NETWORK_TAG
+
+#: Workers that proved bubblewrap builds a sandbox here: (bwrap, image, euid, workdir, network, limits).
+PROBED: set[tuple[Any, ...]] = set()
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """One sandbox's launch: its directory, bwrap's options, environment, limits, user, tools, expiry."""
+
+    path: str
+    bwrap_argv: list[str]
+    env: dict[str, str]
+    limits: Mapping[str, Any]
+    uid: int
+    tools: dict[str, str]
+    expires_at: float | None
+    #: what runs before each launch's own program (the egress forwarder), or nothing
+    prefix: list[str] = dataclasses.field(default_factory=list)
+
+
+def build(path: str, *, bwrap: str, image: str | None, workdir: str, shm_default: int, tools: dict[str, str]) -> Plan:
+    """The plan of the sandbox in directory ``path``, from its crash-safe record."""
+    record = state.read_record(path)
+    tags, limits = record["stamps"], record["limits"]
+    network = '"block_network":false' in tags.get(NETWORK_TAG, "")
+    gateway = (
+        egress.local_launch(egress.local_gateway_dir(path), []) if egress.has_allowlist(tags.get(NETWORK_TAG)) else None
+    )
+    argv = driver.bwrap_argv(
+        bwrap,
+        box=state.box_path(path, limits),
+        workdir=workdir,
+        binds=system_binds(image, workdir, network) + (gateway.binds if gateway else []),
+        network=network,
+        shm_bytes=int(limits.get("shm_bytes") or shm_default),
+    )
+    return Plan(
+        path=path,
+        bwrap_argv=argv,
+        env={**driver.base_env(workdir), **(gateway.env if gateway else {}), **record["env"]},
+        prefix=gateway.argv if gateway else [],
+        limits=limits,
+        uid=int(tags.get(state.UID_TAG, os.getuid())),
+        tools=tools,
+        expires_at=expiry_of(tags),
+    )
+
+
+def start(
+    handle: str,
+    plan: Plan,
+    argv: list[str],
+    *,
+    binds: Sequence[tuple[str, str]],
+    env: Mapping[str, str],
+    cgroups: Any,
+    rlimits: Mapping[str, int],
+    drops_root: bool,
+    popen_kwargs: Mapping[str, Any],
+) -> driver.Started:
+    """
+    Start one launch of ``plan`` running ``argv`` with ``binds`` and ``env``, in the sandbox's cgroup
+    when ``cgroups`` has one, as the sandbox's user when the worker ``drops_root``.
+
+    :raises SandboxTerminalError: when bubblewrap cannot be started.
+    """
+    placement = cgroups.placement(handle) if cgroups is not None else None
+    try:
+        return driver.start(
+            plan.tools,
+            with_binds(plan.bwrap_argv, binds),
+            [*plan.prefix, *argv],
+            env=env,
+            rlimits=rlimits,
+            uid=plan.uid if drops_root else None,
+            placement=placement,
+            join_cgroup=(lambda pid: cgroups.join(handle, pid)) if cgroups and not placement else None,
+            popen_kwargs=popen_kwargs,
+        )
+    except OSError as err:
+        raise SandboxTerminalError(f"Could not start bubblewrap in sandbox {handle}: {err}") from err
+
+
+def with_binds(bwrap_argv: list[str], binds: Sequence[tuple[str, str]]) -> list[str]:
+    """``bwrap_argv`` with ``binds`` (worker directory, path inside) mounted writable, before the root goes read-only."""
+    if not binds:
+        return bwrap_argv
+    at = bwrap_argv.index("--remount-ro")
+    extra = [arg for source, dest in binds for arg in ("--bind", source, dest)]
+    return [*bwrap_argv[:at], *extra, *bwrap_argv[at:]]
+
+
+@functools.lru_cache(maxsize=16)
+def system_binds(image: str | None, workdir: str, network: bool) -> list[str]:
+    """The read-only system binds of a sandbox on ``image`` (None: the worker's own), computed once."""
+    return driver.system_binds(image, workdir, network)
+
+
+@functools.cache
+def which(name: str) -> str | None:
+    """Where a tool bubblewrap launches is, on bwrap's own PATH; looked up once per worker process."""
+    return shutil.which(name, path=driver.BWRAP_ENV["PATH"])
+
+
+def checked(value: Any, check: Callable[[Any], Any]) -> Any:
+    """A setting of a shape its table cannot say, checked: :raises SandboxTerminalError: saying what to fix."""
+    try:
+        return check(value)
+    except ValueError as err:
+        raise SandboxTerminalError(f"{err} Fix the connection's extra, or pass the setting to the hook.") from err

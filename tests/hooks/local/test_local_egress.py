@@ -1,0 +1,181 @@
+"""
+Hostname and address allowlists on the local backend, through the egress gateway, against servers
+this module starts on loopback addresses (the gateway is given pins from the test names to them).
+Positive controls first (the listed name is reached), then every refusal.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import time
+
+import pytest
+from egress_servers import LISTED, UNLISTED, WHEEL_VALUE, assert_battery, egress_world, run, tls_env
+
+from conftest import requires_bwrap
+from sandbox_provider.hooks import egress
+from sandbox_provider.hooks.local import LocalSandboxHook
+from sandbox_provider.hooks.local import state as _local_state
+from sandbox_provider.sandbox import SandboxSpec
+from sandbox_provider.sandbox.errors import SandboxTerminalError
+
+pytestmark = [
+    requires_bwrap,
+    pytest.mark.skipif(
+        bool(egress.missing_tools()) and not os.environ.get("SANDBOX_REQUIRE_BWRAP"),
+        reason="the egress gateway needs proxy.py and socat on the worker",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def world():
+    with egress_world() as made:
+        yield made
+
+
+@pytest.fixture
+def make_hook(tmp_path, world):
+    made = []
+
+    def make(**settings):
+        settings.setdefault("egress_pins", world.pins)
+        settings.setdefault("egress_ports", world.ports)
+        hook = LocalSandboxHook(state_root=str(tmp_path / "state"), uid_lease_dir=str(tmp_path / "ids"), **settings)
+        made.append(hook)
+        return hook
+
+    yield make
+    for hook in made[:1]:
+        for kind, handle, _ in _local_state.classify(hook.state_root):
+            if kind == "sandbox":
+                hook.destroy(handle)
+
+
+def gateway_dir(hook, handle):
+    return egress.local_gateway_dir(os.path.join(hook.state_root, handle))
+
+
+def test_listed_hosts_and_ranges_pass_and_nothing_else(make_hook, world):
+    hook = make_hook()
+    handle = hook.create(spec=SandboxSpec(env=tls_env(), **world.spec_lists))
+    assert_battery(hook, handle, world)
+    # curl, through the same variables: reached, then refused.
+    curl = run(hook, handle, f"curl -sS {shlex.quote(world.url(LISTED))}; curl -sS {shlex.quote(world.url(UNLISTED))}")
+    assert curl.stdout == "reached tls\n", curl
+    assert "403" in curl.stderr
+    # Another TCP protocol to a listed range: only tunnelled through the gateway with CONNECT (socat's
+    # PROXY address here), on a port no hostname rule allows; the same bytes without the tunnel fail.
+    # The client keeps its side open until the server closes (a half-close ends the tunnel early).
+    request = "(printf 'GET / HTTP/1.0\\r\\n\\r\\n'; sleep 2)"
+    tunnel = f"PROXY:127.0.0.1:{world.plain_address}:{world.plain_port},proxyport=3128"
+    tunnelled = run(hook, handle, f"{request} | socat -t 2 - {tunnel}")
+    assert tunnelled.stdout.endswith("reached plain\n"), tunnelled
+    direct = run(hook, handle, f"{request} | socat - TCP:{world.plain_address}:{world.plain_port}")
+    assert direct.exit_code != 0 and "reached" not in direct.stdout
+    # Every attempt is in the gateway's log, with the handle.
+    with open(os.path.join(gateway_dir(hook, handle), egress.LOG), encoding="utf-8") as f:
+        logged = f.read()
+    assert f"sandbox {handle} egress allowed CONNECT {LISTED}:{world.tls_port}" in logged
+    assert f"sandbox {handle} egress refused CONNECT {UNLISTED}:{world.tls_port}" in logged
+    assert f"sandbox {handle} egress refused GET 127.0.0.1:{world.host_port}" in logged
+
+
+def test_code_inside_cannot_see_or_change_the_allowlist(make_hook, world):
+    hook = make_hook()
+    handle = hook.create(spec=SandboxSpec(env=tls_env(), allow_egress_to=[LISTED]))
+    directory = gateway_dir(hook, handle)
+    attack = run(
+        hook,
+        handle,
+        f"ls -A /run/airflow-sandbox; test -e {shlex.quote(directory)} && echo config-visible; "
+        "find / -xdev -name 'gateway.json' 2>/dev/null; "
+        # Reconfiguration attempts at the only thing it can reach: the proxy's socket.
+        "printf 'POST /policy HTTP/1.1\\r\\nHost: 127.0.0.1\\r\\nContent-Length: 2\\r\\n\\r\\n{}' | "
+        "socat - TCP:127.0.0.1:3128 | head -n1; "
+        f"curl -sS -o /dev/null -w '%{{http_code}}\\n' {shlex.quote(world.url(UNLISTED))} 2>/dev/null",
+    )
+    assert attack.stdout.splitlines()[0] == "egress.sock", attack
+    assert "config-visible" not in attack.stdout and "gateway.json" not in attack.stdout
+    assert "HTTP/1.1 4" in attack.stdout
+    assert attack.stdout.splitlines()[-1] == "000", attack  # the tunnel was refused: no HTTP status from the server
+    with open(os.path.join(directory, egress.CONFIG), encoding="utf-8") as f:
+        assert f'"hosts": ["{LISTED}"]' in f.read()
+
+
+def test_pip_installs_from_a_listed_index_and_not_without_it(make_hook, world):
+    if not os.path.exists("/usr/lib/python3/dist-packages/pip") and not shutil.which("pip3"):
+        pytest.fail("the host's python3 has no pip (apt-get install python3-pip)")
+    hook = make_hook()
+    pip = (
+        "python3 -m pip install --disable-pip-version-check --no-cache-dir --target /workspace/site "
+        f"--index-url {shlex.quote(world.url(LISTED, path='/simple/'))} tinypkg"
+    )
+    listed = hook.create(spec=SandboxSpec(env=tls_env(), allow_egress_to=[LISTED]))
+    hook.write_file(listed, "ca.pem", world.ca.ca_pem)
+    installed = run(
+        hook, listed, f"{pip} && PYTHONPATH=/workspace/site python3 -c 'import tinypkg; print(tinypkg.VALUE)'"
+    )
+    assert installed.exit_code == 0, installed.stderr
+    assert installed.stdout.splitlines()[-1] == WHEEL_VALUE
+    unlisted = hook.create(spec=SandboxSpec(env=tls_env(), allow_egress_to=["elsewhere.egress.test"]))
+    hook.write_file(unlisted, "ca.pem", world.ca.ca_pem)
+    refused = run(hook, unlisted, f"{pip} --retries 0 --timeout 10")
+    assert refused.exit_code != 0
+    assert run(hook, unlisted, "test -e /workspace/site/tinypkg").exit_code != 0
+
+
+def test_the_gateway_ends_with_its_sandbox(make_hook, world):
+    hook = make_hook()
+    handle = hook.create(spec=SandboxSpec(allow_egress_to=[LISTED]))
+    pid = egress._gateway_pid(gateway_dir(hook, handle))
+    assert pid is not None and os.path.exists(f"/proc/{pid}")
+    hook.destroy(handle)
+    assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
+    # A worker killed before destroying: the sandbox's directory goes (the next sweep removes it),
+    # and its gateway ends by itself.
+    other = hook.create(spec=SandboxSpec(allow_egress_to=[LISTED]))
+    directory = os.path.join(hook.state_root, other)
+    pid = egress._gateway_pid(gateway_dir(hook, other))
+    moved = directory + "-gone"
+    os.rename(directory, moved)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{pid}") and not _zombie(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
+    os.rename(moved, directory)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_missing_tools_are_refused_before_anything_is_made(make_hook, monkeypatch):
+    hook = make_hook()
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "socat" else real_which(name, *a, **k))
+    with pytest.raises(SandboxTerminalError, match=r"apt-get install socat"):
+        hook.create(spec=SandboxSpec(allow_egress_to=[LISTED]))
+    assert not os.path.exists(hook.state_root) or not os.listdir(hook.state_root)
+
+
+def test_bad_allowlists_are_refused_before_anything_is_made(make_hook):
+    hook = make_hook()
+    with pytest.raises(SandboxTerminalError, match="not a hostname"):
+        hook.create(spec=SandboxSpec(allow_egress_to=["https://pypi.org/simple"]))
+    with pytest.raises(SandboxTerminalError, match="no host bits"):
+        hook.create(spec=SandboxSpec(allow_egress_to_cidrs=["10.0.0.1/8"]))
+    with pytest.raises(ValueError, match="TCP port"):
+        LocalSandboxHook(egress_ports=[0])
+
+
+def test_the_tool_description_says_what_passes(make_hook):
+    text = make_hook(egress_ports=[443, 8443]).network_description(SandboxSpec(allow_egress_to=["pypi.org"]))
+    assert "pypi.org" in text and "ports 443, 8443" in text and "DNS does not answer" in text
+    assert "127.0.0.1:3128" in text
