@@ -3,6 +3,9 @@
 # FROM the local sandbox image, holding the project's guest daemon as /execd and its entrypoint as
 # /bootstrap.sh (the two files the server takes out of its `[runtime] execd_image`).
 #
+# Test infrastructure: the image exists so the tests can run the real opensandbox-server here. A
+# deployment uses the vendor's execd image; nothing in the provider needs or ships this one.
+#
 #   opensandbox-execd-image.sh [BASE_IMAGE]   (default airflow-sandbox-python:<debian codename>)
 #
 # Environment:
@@ -41,6 +44,7 @@ FROM $BASE
 COPY execd bootstrap.sh /
 RUN chmod 0755 /execd /bootstrap.sh
 LABEL $LABEL=$content
+LABEL org.opencontainers.image.description="airflow-provider-sandbox test infrastructure: a stand-in for OpenSandbox's execd, for the tests' server only"
 DOCKERFILE
 old_id="$(docker image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)"
 log "building $IMAGE from $BASE ($content)"

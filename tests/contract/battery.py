@@ -19,6 +19,11 @@ from sandbox_provider.sandbox.errors import SandboxHandleError
 BINARY = bytes(range(256)) * 2 + b"\0tail"
 
 
+def _lines(text: str) -> list[str]:
+    """The lines of ``text`` whichever of LF, CRLF or CR ends each, a last one without an end included."""
+    return text.replace("\r\n", "\n").replace("\r", "\n").splitlines()
+
+
 class SandboxContract:
     """Subclass as ``TestXContract`` with a ``hook`` fixture; override the attributes below as needed."""
 
@@ -82,6 +87,32 @@ class SandboxContract:
         assert result.ok
         assert b"".join(d for s, d in seen if s == "stdout") == b"one\n"
         assert b"".join(d for s, d in seen if s == "stderr") == b"two\n"
+
+    #: What ``printf`` prints in the byte-for-byte case: blank lines, CRLF, lone CRs, no newline at the end.
+    PRINTED = (
+        "x\\n\\ny\\r\\nz",
+        "\\n\\na\\n\\n\\nb\\n",
+        "one\\r\\ntwo\\r\\n",
+        "load 1\\rload 2\\rdone\\n",
+        "\\r\\n\\r\\rend",
+    )
+
+    def test_output_comes_back_byte_for_byte(self, hook, sandbox):
+        """Each stream's text is what the command printed, byte for byte; the live stream has the same lines."""
+        for printed in self.PRINTED:
+            expected = printed.encode().decode("unicode_escape")
+            seen: list[tuple[str, bytes]] = []
+            command = f"printf '{printed}'; printf '{printed}' >&2"
+            result = self.sh(hook, sandbox, command, on_output=lambda s, d, seen=seen: seen.append((s, d)))
+            assert result.ok, result
+            assert (result.stdout, result.stderr) == (expected, expected), printed
+            lines = expected.count("\n") + (not expected.endswith("\n"))
+            assert (result.stdout_totals.bytes, result.stdout_totals.lines) == (len(expected), lines), printed
+            assert (result.stderr_totals.bytes, result.stderr_totals.lines) == (len(expected), lines), printed
+            assert not result.stdout_truncated and not result.stderr_truncated
+            for stream in ("stdout", "stderr"):
+                streamed = b"".join(d for s, d in seen if s == stream).decode()
+                assert _lines(streamed) == _lines(expected), f"{stream} of {printed!r} streamed as {streamed!r}"
 
     def test_bad_commands_are_refused(self, hook, sandbox):
         for command in ("", "   ", "echo a\0b"):

@@ -80,6 +80,19 @@ def test_sink_reports_totals_with_the_tails():
     assert result.stdout_truncated and result.stdout.endswith("1000\n")
 
 
+@pytest.mark.parametrize("data", [b"", b"x\n\ny\r\nz", b"\r\n" * 3, seq(1, 3000), seq(1, 3000) + b"end"])
+def test_a_restated_stream_is_the_stream_read_afterwards(data):
+    """A backend that streamed reshaped lines, then read the stream's end: as if the bytes had been written."""
+    sink = OutputSink(100)
+    sink.stdout(b"what the live stream made of it\n" * 50)
+    sink.stdout(b"unended")
+    take = min(len(data), 101)  # the end of the stream, one byte more than is kept when there is more
+    sink.restate("stdout", data[len(data) - take :], total_bytes=len(data), newlines=data.count(b"\n"))
+    direct = OutputSink(100)
+    direct.stdout(data)
+    assert sink.result(RunOutcome(0), 5.0) == direct.result(RunOutcome(0), 5.0)
+
+
 # -- exact truncation notes ------------------------------------------------------------------------------
 
 

@@ -155,6 +155,7 @@ class OutputSink:
     def __init__(
         self, max_output_bytes: int, on_output: OutputCallback | None = None, *, whole_lines: bool = False
     ) -> None:
+        self.max_output_bytes = max(0, int(max_output_bytes))
         self.out = TailBuffer(max_output_bytes)
         self.err = TailBuffer(max_output_bytes)
         self.whole_lines = whole_lines
@@ -174,6 +175,16 @@ class OutputSink:
         and ``newlines`` newline characters, so the tail is marked truncated and counted exactly.
         """
         (self.out if stream == "stdout" else self.err).account(total_bytes=total_bytes, newlines=newlines)
+
+    def restate(self, stream: str, data: bytes, *, total_bytes: int, newlines: int) -> None:
+        """
+        For a backend whose vendor streams the output reshaped (line by line, dropping what ended each
+        line) but keeps the exact bytes where the backend can read them once the command ended: the
+        result's ``stream`` becomes ``data``, the stream's last bytes (``max_output_bytes`` of them, one
+        more when there are more), with ``total_bytes`` and ``newlines`` for the whole stream. What was
+        passed to ``on_output`` stays as it was.
+        """
+        (self.out if stream == "stdout" else self.err).restate(data, total_bytes=total_bytes, newlines=newlines)
 
     def _write(self, stream: str, buffer: TailBuffer, data: bytes | str) -> None:
         if isinstance(data, str):

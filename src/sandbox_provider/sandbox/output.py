@@ -69,6 +69,20 @@ class TailBuffer:
         self.total = max(self.total, int(total_bytes))
         self.newlines = max(self.newlines, int(newlines))
 
+    def restate(self, data: bytes, *, total_bytes: int, newlines: int) -> None:
+        """
+        Hold ``data`` in place of everything written so far: the last ``len(data)`` bytes of a stream of
+        ``total_bytes`` bytes and ``newlines`` newline characters in all, read once the stream ended (a
+        backend whose live stream reshaped the output). Give one byte more than ``limit`` when the
+        stream is longer: that byte says whether the kept tail begins a line.
+        """
+        self._buf, self.total, self.newlines, self.truncated = bytearray(), 0, 0, False
+        self._last, self._head_at_line = None, True
+        self.write(data)
+        if total_bytes > len(data) and len(data) <= self.limit:
+            self.truncated, self._head_at_line = True, False
+        self.total, self.newlines = int(total_bytes), int(newlines)
+
     @property
     def lines(self) -> int:
         """Lines written: newline characters, plus one for a last line without one."""

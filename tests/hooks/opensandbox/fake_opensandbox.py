@@ -8,6 +8,13 @@ It answers the lifecycle API (``/v1/sandboxes...``), execd (``/proxy/44772/...``
 command stream as bare JSON objects each followed by a blank line. Endpoints point at
 ``sandbox-<id>.invalid`` hosts, which only this transport answers.
 
+Like the vendor's daemon started with ``EXECD_ACCESS_TOKEN`` in its environment (the create request's
+env here), a sandbox's execd answers 401 to a request without that token in ``X-EXECD-ACCESS-TOKEN``.
+What a command prints (:func:`stdout`, :func:`stderr`, :func:`printed`) goes to its spool files
+(``/tmp/<execution id>.stdout`` and ``.stderr``, left behind as the vendor's daemon leaves them, unless
+``spool`` is False) and out as line events framed as the vendor frames them (the guest daemon's
+``LineFramer``): a newline or carriage return ends a line, an empty line is sent as ``"\n"``.
+
 What a command prints and how it ends is scripted per test with :meth:`FakeOpenSandbox.on_command`.
 """
 
@@ -25,6 +32,9 @@ from email.parser import BytesParser
 from email.policy import HTTP
 
 import httpx
+from opensandbox_execd import LineFramer
+
+from sandbox_provider.hooks.opensandbox.driver import TOKEN_ENV, TOKEN_HEADER, TOKEN_KEY
 
 _LABEL_VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
 _LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
@@ -43,12 +53,25 @@ def event(kind: str, **fields) -> dict:
     return {"type": kind, **fields}
 
 
-def stdout(text: str) -> dict:
-    return event("stdout", text=text)
+@dataclass(frozen=True)
+class Printed:
+    """Bytes a command wrote to ``stream`` (``"stdout"`` or ``"stderr"``)."""
+
+    stream: str
+    data: bytes
 
 
-def stderr(text: str) -> dict:
-    return event("stderr", text=text)
+def printed(stream: str, data: bytes) -> Printed:
+    return Printed(stream, data)
+
+
+def stdout(text: str) -> Printed:
+    """A line the command printed to stdout, newline included (as ``echo`` prints it)."""
+    return Printed("stdout", text.encode() + b"\n")
+
+
+def stderr(text: str) -> Printed:
+    return Printed("stderr", text.encode() + b"\n")
 
 
 def complete() -> dict:
@@ -71,8 +94,9 @@ class FakeSandbox:
     metadata: dict
     expires_at: datetime
     files: dict[str, bytes] = field(default_factory=dict)
-    dirs: set[str] = field(default_factory=lambda: {"/"})
+    dirs: set[str] = field(default_factory=lambda: {"/", "/tmp"})
     state: str = "Running"
+    token: str | None = None
 
 
 class FakeOpenSandbox:
@@ -88,6 +112,8 @@ class FakeOpenSandbox:
         self.requests: list[httpx.Request] = []
         self.commands: list[dict] = []
         self.ping_delay = 0.0
+        #: False: the daemon leaves no output files behind (newer vendor daemons remove them).
+        self.spool = True
         self.create_error: tuple[int, dict] | None = None
         self.release = threading.Event()  # unblocks a stalled stream at the end of a test
         self._script: Callable[[str, dict], Iterable[dict | Exception]] = lambda command, body: [complete()]
@@ -102,14 +128,15 @@ class FakeOpenSandbox:
     def paths(self, method: str | None = None) -> list[str]:
         return [r.url.path for r in self.requests if method is None or r.method == method]
 
-    def add(self, *, metadata: dict | None = None) -> FakeSandbox:
-        """A sandbox that exists on the server already (made by another worker, say)."""
+    def add(self, *, metadata: dict | None = None, token: str | None = "made-elsewhere") -> FakeSandbox:
+        """A sandbox that exists on the server already (made by another worker, say, with its token)."""
         sandbox = FakeSandbox(
             str(uuid.uuid4()),
             {},
-            dict(metadata or {}),
+            {**({TOKEN_KEY: token} if token else {}), **(metadata or {})},
             datetime.now(UTC) + timedelta(hours=1),
-            dirs={"/", "/workspace"},
+            dirs={"/", "/tmp", "/workspace"},
+            token=token,
         )
         self.sandboxes[sandbox.id] = sandbox
         return sandbox
@@ -178,6 +205,7 @@ class FakeOpenSandbox:
             body,
             dict(body.get("metadata") or {}),
             datetime.now(UTC) + timedelta(seconds=body.get("timeout") or 600),
+            token=(body.get("env") or {}).get(TOKEN_ENV),
         )
         self.sandboxes[sandbox.id] = sandbox
         view = self._view(sandbox)
@@ -222,6 +250,8 @@ class FakeOpenSandbox:
     # -- execd ------------------------------------------------------------------------------------------
 
     def _execd(self, sandbox: FakeSandbox, request: httpx.Request, path: str) -> httpx.Response:
+        if sandbox.token and request.headers.get(TOKEN_HEADER) != sandbox.token:
+            return httpx.Response(401, json={"error": f"Unauthorized: {TOKEN_HEADER} is missing or wrong"})
         if path == "/ping":
             time.sleep(self.ping_delay)
             return httpx.Response(200, json="pong")
@@ -231,8 +261,10 @@ class FakeOpenSandbox:
             return httpx.Response(
                 200,
                 headers={"content-type": "text/event-stream", "cache-control": "no-cache"},
-                stream=_EventStream(self._events(body)),
+                stream=_EventStream(self._events(sandbox, body)),
             )
+        if path == "/files" and request.method == "DELETE":
+            return self._remove(sandbox, request.url.params.get_list("path"))
         if path == "/directories" and request.method == "POST":
             sandbox.dirs.update(json.loads(request.content))
             return httpx.Response(200, json=None)
@@ -246,15 +278,38 @@ class FakeOpenSandbox:
             return self._list(sandbox, request.url.params["path"])
         return httpx.Response(404, json={"code": "NOT_SUPPORTED", "message": path})
 
-    def _events(self, body: dict) -> Iterator[bytes]:
-        yield _frame(event("init", text=uuid.uuid4().hex))
+    def _events(self, sandbox: FakeSandbox, body: dict) -> Iterator[bytes]:
+        execution_id = uuid.uuid4().hex
+        spools = {stream: f"/tmp/{execution_id}.{stream}" for stream in ("stdout", "stderr")}
+        if self.spool:
+            sandbox.files.update(dict.fromkeys(spools.values(), b""))
+        framers = {stream: LineFramer() for stream in spools}
+        yield _frame(event("init", text=execution_id))
         for item in self._script(body["command"], body):
             if isinstance(item, BaseException):
                 raise item
             if item == "stall":
                 self.release.wait(60)
                 return
+            if isinstance(item, Printed):
+                if self.spool:
+                    sandbox.files[spools[item.stream]] += item.data
+                for text in framers[item.stream].feed(item.data):
+                    yield _frame(event(item.stream, text=text))
+                continue
+            if item.get("type") in ("error", "execution_complete"):
+                for stream, framer in framers.items():  # the command ended: a last line without its end
+                    for text in framer.finish():
+                        yield _frame(event(stream, text=text))
             yield _frame(item)
+
+    def _remove(self, sandbox: FakeSandbox, paths: list[str]) -> httpx.Response:
+        for path in paths:
+            if path in sandbox.dirs:
+                message = f"could not remove {path}: remove {path}: is a directory"
+                return httpx.Response(500, json={"code": "RUNTIME_ERROR", "message": message})
+            sandbox.files.pop(path, None)
+        return httpx.Response(200, json=None)
 
     def _entry(self, sandbox: FakeSandbox, path: str) -> dict | None:
         now = _iso(datetime.now(UTC))
@@ -270,7 +325,7 @@ class FakeOpenSandbox:
         for path in paths:
             entry = self._entry(sandbox, path)
             if entry is None:
-                message = f"file not found. file not found: {path}: no such file or directory"
+                message = f"no such file: lstat {path}: no such file or directory"
                 return httpx.Response(404, json={"code": "FILE_NOT_FOUND", "message": message})
             found[path] = entry
         return httpx.Response(200, json=found)
@@ -278,7 +333,9 @@ class FakeOpenSandbox:
     def _download(self, sandbox: FakeSandbox, request: httpx.Request) -> httpx.Response:
         path = request.url.params["path"]
         if path not in sandbox.files:
-            return httpx.Response(404, json={"code": "FILE_NOT_FOUND", "message": f"file not found. {path}"})
+            return httpx.Response(
+                404, json={"code": "FILE_NOT_FOUND", "message": f"no such file: open {path}: no such file or directory"}
+            )
         data = sandbox.files[path]
         match = re.fullmatch(r"bytes=(\d+)-(\d*)", request.headers.get("range", ""))
         if match is None:
@@ -299,14 +356,17 @@ class FakeOpenSandbox:
                 meta = json.loads(part.get_payload(decode=True))
             elif meta is not None:
                 if meta["path"] in sandbox.dirs:
-                    return httpx.Response(500, json={"code": "RUNTIME_ERROR", "message": "is a directory"})
+                    message = f"could not write {meta['path']}: open {meta['path']}: is a directory"
+                    return httpx.Response(500, json={"code": "RUNTIME_ERROR", "message": message})
                 sandbox.files[meta["path"]] = part.get_payload(decode=True)
                 meta = None
         return httpx.Response(200, json=None)
 
     def _list(self, sandbox: FakeSandbox, path: str) -> httpx.Response:
         if path not in sandbox.dirs:
-            return httpx.Response(404, json={"code": "FILE_NOT_FOUND", "message": f"file not found. {path}"})
+            return httpx.Response(
+                404, json={"code": "FILE_NOT_FOUND", "message": f"no such file: open {path}: no such file or directory"}
+            )
         prefix = path.rstrip("/") + "/"
         names = {p for p in [*sandbox.files, *sandbox.dirs] if p.startswith(prefix) and "/" not in p[len(prefix) :]}
         return httpx.Response(200, json=[self._entry(sandbox, name) for name in sorted(names) if name != path])

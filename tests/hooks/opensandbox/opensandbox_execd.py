@@ -1,35 +1,58 @@
 #!/usr/bin/env python3
 """
-The project's guest daemon for OpenSandbox sandboxes: the part of the ``execd`` HTTP API that the
-``opensandbox`` SDK uses for commands and files, on the Python standard library alone.
+Test infrastructure, never shipped into users' sandboxes: the project's stand-in for OpenSandbox's
+in-sandbox daemon (``execd``), serving the part of its HTTP API that the ``opensandbox`` SDK uses for
+commands and files, on the Python standard library alone.
 
 An OpenSandbox server copies ``/execd`` and ``/bootstrap.sh`` out of its configured execd image into
-every sandbox and starts the daemon there; this file is that ``/execd`` for images built without a
-registry. It runs inside the sandbox as the sandbox's user and claims no network enforcement.
+every sandbox; ``scripts/docker/opensandbox-execd-image.sh`` builds such an image for the tests' server,
+with this file as ``/execd``. On the wire it behaves as the vendor's daemon was measured and documented
+to; where the vendor's leaves a sandbox open, this one does not:
 
-Served (paths may carry the ``/proxy/<own port>`` prefix of the server's endpoints): ``GET /ping``;
-``POST /command`` (JSON ``command`` or ``argv``, ``cwd``, ``timeout`` in milliseconds, ``envs``, ``uid``,
-``gid``), which runs ``bash -c`` in its own process group and answers ``text/event-stream`` in execd's
-framing (a JSON object then a blank line, chunked): ``init``, ``stdout``/``stderr`` one event per line
-(newline stripped), ``ping`` every 3 s, then ``execution_complete`` or ``error`` (``CommandExecError``
-with the exit status, or ``-1`` and ``signal: killed`` when the timeout killed the group or a signal the
-shell); it returns when the shell exits, not waiting for children holding its output. ``POST
-/files/upload`` (multipart ``metadata`` + ``file`` pairs, streamed, mode as octal digits such as 644);
-``GET /files/download`` (one ``Range``; 416 for a range at or past the end, an empty file included);
-``GET /files/info``, ``GET /directories/list``, ``POST /directories``.
+- **Access token.** ``EXECD_ACCESS_TOKEN`` (or ``--access-token``), taken at start and kept out of the
+  environment commands get, must come with every request in the ``X-EXECD-ACCESS-TOKEN`` header (or
+  ``OpenSandbox-Execd-Token``); it is compared in constant time, and anything else is answered 401.
+  Started without one, this daemon answers every request 401 (the vendor's then checks nothing).
+- **Identity.** Run as root, it runs commands as ``EXECD_COMMAND_UID``:``EXECD_COMMAND_GID`` (default
+  65432, the bootstrap gives that user the working directory) without supplementary groups, and does
+  each file operation with that user's filesystem identity (``setfsuid`` for the one thread), so a
+  command can neither signal the daemon nor take its port, and a file operation reaches only what a
+  command could. An authenticated request's ``uid``/``gid`` overrides the user, as on the vendor's.
+  Not run as root, it runs everything as itself.
+- **Commands** (``POST /command``: JSON ``command`` or ``argv``, ``cwd``, ``timeout`` in milliseconds,
+  ``envs``, ``uid``, ``gid``) run under ``bash -c`` in a process group of their own with an empty stdin.
+  Their stdout and stderr go to ``<TMPDIR>/<execution id>.stdout`` and ``.stderr`` (``/tmp`` by default;
+  made by the daemon, mode 0644, and left in place as the vendor's daemon leaves them), which are read
+  every 0.1 s and sent as ``text/event-stream`` in execd's framing (a JSON object then a blank line,
+  chunked): ``init`` with the execution id, ``stdout``/``stderr``, ``ping`` every 3 s, then
+  ``execution_complete``, or ``error`` (``CommandExecError`` with the exit status, or ``-1`` and
+  ``signal: killed`` when the timeout killed the group or a signal the shell). The stream ends when the
+  shell exits (children still holding its output are not waited for), ``EXECD_API_GRACE_SHUTDOWN``
+  after the last event (a Go duration; default ``1s`` as the vendor's, ``0`` turns the wait off).
+- **Lines** are framed as the vendor's daemon frames them: ``\\n`` and ``\\r`` each end a line and are
+  not sent, ``\\r\\n`` ends one line, an empty line is sent as the text ``"\\n"``, and a last line without
+  an end is sent when the command ends. (The vendor's reader forgets a ``\\r`` that ends one 0.1 s read,
+  so a ``\\r\\n`` split across two reads can come out there as a line and an empty one; not here.)
+- **Files**: ``POST /files/upload`` (multipart ``metadata`` + ``file`` pairs, streamed, mode as octal
+  digits such as 644), ``GET /files/download`` (one ``Range``; 416 for a range at or past the end),
+  ``GET /files/info``, ``DELETE /files`` (a missing path is no error; this daemon's own output files
+  are removed with its own identity, as the vendor's root daemon can), ``GET /directories/list``,
+  ``POST /directories``. Errors are JSON ``{"code", "message"}`` with execd's codes (``FILE_NOT_FOUND``
+  with 404, ...) and the operating system's words as Go prints them (``is a directory``).
 
-Errors are JSON ``{"code", "message"}`` with execd's codes (``FILE_NOT_FOUND`` with 404, ...).
-
-Needs Python 3.9 or newer. Usage: ``opensandbox_execd.py [--host 0.0.0.0] [--port 44772]``; port 0
-picks a free one. ``opensandbox-execd listening on HOST:PORT`` goes to stderr once it accepts.
-``EXECD_API_GRACE_SHUTDOWN`` (``1s``, ``500ms``; default 0) holds a finished command's stream open that
-long, as the vendor's daemon does for one second.
+Paths may carry the ``/proxy/<own port>`` prefix of the server's endpoints. Needs Python 3.9 or newer.
+Usage: ``opensandbox_execd.py [--host 0.0.0.0] [--port 44772] [--access-token T]``; port 0 picks a free
+one. ``opensandbox-execd listening on HOST:PORT`` goes to stderr once it accepts.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import errno
 import grp
+import hmac
 import json
 import os
 import pwd
@@ -51,7 +74,14 @@ from urllib.parse import parse_qs, urlsplit
 
 DEFAULT_PORT = 44772
 PING_SECONDS = 3.0
+#: How often a running command's output files are read, as the vendor's daemon does.
+POLL_SECONDS = 0.1
 CHUNK = 64 * 1024
+#: The environment variable and flag default holding the access token; the headers that carry it.
+TOKEN_ENV = "EXECD_ACCESS_TOKEN"
+TOKEN_HEADERS = ("X-EXECD-ACCESS-TOKEN", "OpenSandbox-Execd-Token")
+#: The user commands run as when the daemon is root (the Docker backend's default command user).
+DEFAULT_COMMAND_ID = 65432
 _UTC = timezone.utc  # noqa: UP017 - datetime.UTC needs Python 3.11; guests may have 3.9
 _PROXY_PREFIX = re.compile(r"^/proxy/(\d+)(/.*)?$")
 
@@ -77,6 +107,12 @@ def go_duration_seconds(text: str) -> float:
     return value * {"ms": 0.001, "s": 1.0, "m": 60.0}[unit]
 
 
+def go_error(operation: str, path: str, err: OSError) -> str:
+    """An operating-system error in Go's words: ``open /w/d: is a directory``."""
+    words = os.strerror(err.errno) if err.errno else str(err)
+    return f"{operation} {path}: {words[:1].lower()}{words[1:]}"
+
+
 def expand(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
@@ -97,6 +133,84 @@ def chown_names(path: str, owner: str | None, group: str | None) -> None:
     uid = pwd.getpwnam(owner).pw_uid if owner else -1
     gid = grp.getgrnam(group).gr_gid if group else -1
     os.chown(path, uid, gid)
+
+
+# -- who the daemon and its commands are ------------------------------------------------------------
+
+
+class Identity:
+    """
+    The user commands and file operations run as: ``uid``, ``gid``, ``home``. ``switching`` is True
+    when the daemon is root and that user is another one.
+    """
+
+    def __init__(self, uid: int, gid: int, home: str) -> None:
+        self.uid, self.gid, self.home = uid, gid, home
+        self.switching = os.geteuid() == 0 and (uid, gid) != (0, 0)
+        self._libc = ctypes.CDLL(None, use_errno=True) if self.switching else None
+
+    @classmethod
+    def from_environment(cls, environ: dict) -> Identity:
+        if os.geteuid() != 0:
+            return cls(os.getuid(), os.getgid(), environ.get("HOME") or os.getcwd())
+        uid = int(environ.get("EXECD_COMMAND_UID") or DEFAULT_COMMAND_ID)
+        gid = int(environ.get("EXECD_COMMAND_GID") or uid)
+        return cls(uid, gid, environ.get("EXECD_COMMAND_HOME") or os.getcwd())
+
+    @contextlib.contextmanager
+    def files(self):
+        """Within it, this thread's file operations are the command user's (and nothing else changes)."""
+        if not self.switching:
+            yield
+            return
+        self._set_fs(self.gid, self.uid)
+        try:
+            yield
+        finally:
+            self._set_fs(0, 0)
+
+    def _set_fs(self, gid: int, uid: int) -> None:
+        # setfsgid/setfsuid change the calling thread only (the C library does not pass them on to
+        # the other threads), and an fsuid other than 0 drops this thread's file capabilities. A
+        # connection's requests share a thread, so a failure puts root's back before it is reported.
+        assert self._libc is not None
+        self._libc.setfsgid(gid)
+        self._libc.setfsuid(uid)
+        if (self._libc.setfsuid(-1), self._libc.setfsgid(-1)) != (uid, gid):
+            self._libc.setfsuid(0)
+            self._libc.setfsgid(0)
+            raise RequestError(500, "RUNTIME_ERROR", f"could not take the file identity {uid}:{gid}")
+
+    def spawn_ids(self, request: dict) -> dict:
+        """``Popen`` keywords running a command as the request's ``uid``/``gid``, else as this user."""
+        uid = self.uid if request.get("uid") is None else int(request["uid"])
+        gid = request.get("gid")
+        if gid is None:
+            gid = self.gid if uid == self.uid else _primary_gid(uid)
+        if (uid, int(gid)) == (os.getuid(), os.getgid()):
+            return {}  # the daemon's own user: no switch (root's groups were dropped at start)
+        if os.geteuid() != 0:
+            raise RequestError(400, "INVALID_REQUEST_BODY", f"this daemon is not root and cannot run as {uid}:{gid}")
+        return {"user": uid, "group": int(gid), "extra_groups": []}
+
+
+def _primary_gid(uid: int) -> int:
+    try:
+        return pwd.getpwuid(uid).pw_gid
+    except KeyError:
+        return uid
+
+
+# -- the token --------------------------------------------------------------------------------------
+
+
+def token_matches(expected: str | None, headers) -> bool:
+    """Whether one of the token headers holds ``expected`` (constant time); never without a token."""
+    if not expected:
+        return False
+    wanted = expected.encode()
+    given = [headers.get(name) for name in TOKEN_HEADERS]
+    return any(hmac.compare_digest(value.encode(), wanted) for value in given if value)
 
 
 def file_info(path: str) -> dict:
@@ -122,12 +236,6 @@ def file_info(path: str) -> dict:
         "group": group,
         "mode": int(oct(stat.S_IMODE(st.st_mode))[2:]),
     }
-
-
-def not_found(err: OSError) -> RequestError:
-    if isinstance(err, FileNotFoundError):
-        return RequestError(404, "FILE_NOT_FOUND", f"file not found. {err}")
-    return RequestError(500, "RUNTIME_ERROR", f"error accessing file: {err}")
 
 
 class BodyReader:
@@ -248,6 +356,76 @@ class ChunkedWriter:
             self._wfile.flush()
 
 
+# -- command output, framed as execd frames it ------------------------------------------------------
+
+
+class LineFramer:
+    """
+    One output stream cut into execd's line events: ``\\n`` and ``\\r`` end a line and are dropped,
+    ``\\r\\n`` ends one, an empty line is the text ``"\\n"``; :meth:`finish` gives a last unended line.
+    """
+
+    def __init__(self) -> None:
+        self._line = bytearray()
+        self._after_cr = False
+
+    def feed(self, data: bytes) -> list[str]:
+        lines: list[str] = []
+        for piece in re.split(rb"(\r|\n)", data):
+            if piece not in (b"\r", b"\n"):
+                if piece:
+                    self._line += piece
+                    self._after_cr = False
+                continue
+            if self._line:
+                lines.append(self._line.decode("utf-8", "replace"))
+                self._line.clear()
+            elif not (piece == b"\n" and self._after_cr):
+                lines.append("\n")
+            self._after_cr = piece == b"\r"
+        return lines
+
+    def finish(self) -> list[str]:
+        rest = self._line.decode("utf-8", "replace")
+        self._line.clear()
+        return [rest] if rest else []
+
+
+class Spool:
+    """A command's stdout or stderr file: written by the command, read by the daemon as it grows."""
+
+    def __init__(self, path: str, stream: str) -> None:
+        self.path, self.stream = path, stream
+        # O_EXCL and O_NOFOLLOW: a name planted in /tmp fails the command instead of being followed.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        self.write_fd = os.open(path, flags, 0o644)
+        self.read_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self.framer = LineFramer()
+
+    def events(self, final: bool = False) -> bytes:
+        """
+        The events for what was written since the last call, up to the file's size now (a child still
+        writing after the shell exited is not followed), and, when ``final``, a last unended line.
+        """
+        lines: list[str] = []
+        left = os.fstat(self.read_fd).st_size - os.lseek(self.read_fd, 0, os.SEEK_CUR)
+        while left > 0 and (data := os.read(self.read_fd, min(left, 1024 * 1024))):
+            left -= len(data)
+            lines += self.framer.feed(data)
+        if final:
+            lines += self.framer.finish()
+        return b"".join(event(self.stream, text=line) for line in lines)
+
+    def close(self) -> None:
+        for fd in (self.write_fd, self.read_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def spool_dir() -> str:
+    return os.environ.get("TMPDIR") or "/tmp"
+
+
 def signal_text(number: int) -> str:
     """Go's wording for a signal death (``signal: killed``), as execd reports it."""
     try:
@@ -258,9 +436,9 @@ def signal_text(number: int) -> str:
 
 
 class CommandRun:
-    """One foreground command: its process group, its line-framed event stream, its end."""
+    """One foreground command: its request checked, its process group, its spooled output."""
 
-    def __init__(self, request: dict) -> None:
+    def __init__(self, request: dict, identity: Identity, environ: dict) -> None:
         command, argv = request.get("command"), request.get("argv")
         if bool(command) == bool(argv):
             raise RequestError(400, "INVALID_REQUEST_BODY", "exactly one of non-empty command or argv is required")
@@ -274,34 +452,39 @@ class CommandRun:
         if timeout_ms < 0:
             raise RequestError(400, "INVALID_REQUEST_BODY", "timeout must not be negative")
         self.timeout = timeout_ms / 1000.0 if timeout_ms else None
-        self.env = {**os.environ, **{str(k): str(v) for k, v in (request.get("envs") or {}).items()}}
-        self.uid, self.gid = request.get("uid"), request.get("gid")
+        base = dict(environ)
+        if identity.switching and base.get("HOME") in (None, "", "/root"):
+            base["HOME"] = identity.home  # root's home is not the command user's
+        self.env = {**base, **{str(k): str(v) for k, v in (request.get("envs") or {}).items()}}
+        self.ids = identity.spawn_ids(request)
         self.id = uuid.uuid4().hex
-        self._partial = {"stdout": bytearray(), "stderr": bytearray()}
+        self.spools: list[Spool] = []
 
     def start(self) -> subprocess.Popen:
-        return subprocess.Popen(
-            self.argv,
-            cwd=self.cwd,
-            env=self.env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            user=self.uid,
-            group=self.gid,
-        )
+        for stream in ("stdout", "stderr"):
+            self.spools.append(Spool(os.path.join(spool_dir(), f"{self.id}.{stream}"), stream))
+        out, err = (spool.write_fd for spool in self.spools)
+        try:
+            return subprocess.Popen(
+                self.argv,
+                cwd=self.cwd,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+                **self.ids,
+            )
+        finally:
+            for spool in self.spools:
+                os.close(spool.write_fd)  # the command holds them now; its end is the files' end
 
-    def lines(self, stream: str, data: bytes, final: bool = False):
-        """Complete lines of ``stream`` (newline stripped) from ``data``; ``final`` flushes the rest."""
-        buf = self._partial[stream]
-        buf += data
-        *complete, rest = bytes(buf).split(b"\n")
-        buf[:] = rest
-        if final and rest:
-            complete.append(rest)
-            buf.clear()
-        return [line.decode("utf-8", "replace") for line in complete]
+    def output_events(self, final: bool = False) -> bytes:
+        return b"".join(spool.events(final) for spool in self.spools)
+
+    def close(self) -> None:
+        for spool in self.spools:
+            spool.close()
 
 
 def event(kind: str, **fields) -> bytes:
@@ -317,73 +500,49 @@ def stream_command(run: CommandRun, out: ChunkedWriter, client: socket.socket | 
     try:
         proc = run.start()
     except OSError as err:
+        run.close()
         out.write(event("init", text=run.id))
         out.write(event("error", error={"ename": "CommandExecError", "evalue": str(err), "traceback": [str(err)]}))
         return
     out.write(event("init", text=run.id))
-    assert proc.stdout is not None and proc.stderr is not None  # both are pipes
-    selector = selectors.DefaultSelector()
-    for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
-        os.set_blocking(pipe.fileno(), False)
-        selector.register(pipe, selectors.EVENT_READ, name)
-    if client is not None:
-        selector.register(client, selectors.EVENT_READ, "client")
-    next_ping, timed_out = started + PING_SECONDS, False
     try:
-        while True:
-            for key, _mask in selector.select(0.05):
-                _read_ready(run, selector, key, out)
-            if proc.poll() is not None:
-                break
-            now = time.monotonic()
-            if run.timeout is not None and now - started >= run.timeout:
-                _kill_group(proc)
-                timed_out = True
-                break
-            if now >= next_ping:
-                out.write(event("ping", text="pong"))
-                next_ping = now + PING_SECONDS
-        _drain(run, selector, out)
+        timed_out = _follow(run, proc, out, client, started)
+        out.write(run.output_events(final=True))
     except OSError:
         _kill_group(proc)  # the client went away: nothing is left to report to
         raise
     finally:
-        selector.close()
-        proc.stdout.close()
-        proc.stderr.close()
+        run.close()
     out.write(_final_event(proc.returncode, timed_out, time.monotonic() - started))
 
 
-def _read_ready(run: CommandRun, selector, key, out: ChunkedWriter) -> None:
-    if key.data == "client":
-        if not key.fileobj.recv(1, socket.MSG_PEEK):
-            raise BrokenPipeError("the client closed the connection")
-        selector.unregister(key.fileobj)  # a pipelined request waits for this one to end
-        return
+def _follow(run: CommandRun, proc: subprocess.Popen, out: ChunkedWriter, client, started: float) -> bool:
+    """Pass output on every poll until the shell exits (False) or the timeout kills its group (True)."""
+    selector = selectors.DefaultSelector()
+    if client is not None:
+        selector.register(client, selectors.EVENT_READ)
+    next_ping = started + PING_SECONDS
     try:
-        data = os.read(key.fd, CHUNK)
-    except BlockingIOError:
-        return
-    if not data:
-        selector.unregister(key.fileobj)
-        return
-    out.write(b"".join(event(key.data, text=line) for line in run.lines(key.data, data)))
-
-
-def _drain(run: CommandRun, selector, out: ChunkedWriter) -> None:
-    """What the shell left in its pipes, without waiting for children that still hold them."""
-    for key in list(selector.get_map().values()):
-        while key.data != "client":
-            try:
-                data = os.read(key.fd, CHUNK)
-            except BlockingIOError:
-                break
-            if not data:
-                break
-            out.write(b"".join(event(key.data, text=line) for line in run.lines(key.data, data)))
-    for stream in ("stdout", "stderr"):
-        for line in run.lines(stream, b"", final=True):
-            out.write(event(stream, text=line))
+        while True:
+            if client is None:
+                time.sleep(POLL_SECONDS)
+            elif selector.select(POLL_SECONDS):  # the client sent more, or went away
+                if not client.recv(1, socket.MSG_PEEK):
+                    raise BrokenPipeError("the client closed the connection")
+                selector.unregister(client)  # a pipelined request waits for this one to end
+                client = None
+            out.write(run.output_events())
+            if proc.poll() is not None:
+                return False
+            now = time.monotonic()
+            if run.timeout is not None and now - started >= run.timeout:
+                _kill_group(proc)
+                return True
+            if now >= next_ping:
+                out.write(event("ping", text="pong"))
+                next_ping = now + PING_SECONDS
+    finally:
+        selector.close()
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -425,16 +584,20 @@ def parse_range(header: str, size: int) -> tuple[int, int] | None:
 
 
 class Handler(BaseHTTPRequestHandler):
-    """Routes execd's endpoints; every failure becomes execd's JSON error body."""
+    """Routes execd's endpoints after the token check; every failure becomes execd's JSON error body."""
 
     protocol_version = "HTTP/1.1"
     server_version = "opensandbox-execd"
+    server: ExecdServer
 
     def do_GET(self) -> None:
         self._dispatch("GET")
 
     def do_POST(self) -> None:
         self._dispatch("POST")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - the base class's name
         sys.stderr.write("opensandbox-execd: %s\n" % (format % args))
@@ -444,6 +607,9 @@ class Handler(BaseHTTPRequestHandler):
         path, self.query = url.path, parse_qs(url.query, keep_blank_values=True)
         self.body = BodyReader(self.rfile, self.headers)
         try:
+            if not token_matches(self.server.token, self.headers):
+                self._refuse_unauthenticated()
+                return
             path = self._strip_proxy(path)
             route = ROUTES.get((method, path.rstrip("/") or "/"))
             if route is None:
@@ -456,6 +622,14 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
+
+    def _refuse_unauthenticated(self) -> None:
+        # The body is left unread and the connection closed: an unauthenticated caller sends nothing
+        # further to this daemon.
+        why = "this daemon was started without an access token" if not self.server.token else "it is missing or wrong"
+        message = f"the {TOKEN_HEADERS[0]} header must hold this sandbox's access token: {why}"
+        self._respond_json(401, {"error": message})
+        self.close_connection = True
 
     def _strip_proxy(self, path: str) -> str:
         match = _PROXY_PREFIX.match(path)
@@ -499,23 +673,25 @@ class Handler(BaseHTTPRequestHandler):
         request = self._json_body()
         if not isinstance(request, dict):
             raise RequestError(400, "INVALID_REQUEST_BODY", "the command request must be a JSON object")
-        run = CommandRun(request)
+        run = CommandRun(request, self.server.identity, self.server.command_env)
         self.send_response(200)
         for name, value in (("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")):
             self.send_header(name, value)
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         out = ChunkedWriter(self.wfile)
-        stream_command(run, out, self.connection)
-        grace = go_duration_seconds(os.environ.get("EXECD_API_GRACE_SHUTDOWN", "0"))
-        if grace > 0:
-            time.sleep(grace)
+        try:
+            stream_command(run, out, self.connection)
+        finally:
+            self.server.remember_spools([spool.path for spool in run.spools])
+        if self.server.grace > 0:
+            time.sleep(self.server.grace)
         out.close()
 
     def upload(self) -> None:
         boundary = self.headers.get_param("boundary", header="content-type")
         if not isinstance(boundary, str) or not boundary:
-            raise RequestError(400, "INVALID_FILE", "multipart form is empty")
+            raise RequestError(400, "INVALID_FILE", "the body is not a multipart form")
         meta, written = None, 0
         for name, read_into in Multipart(self.body, boundary).parts():
             if name == "metadata":
@@ -524,24 +700,26 @@ class Handler(BaseHTTPRequestHandler):
                 try:
                     meta = json.loads(b"".join(chunks))
                 except ValueError as err:
-                    raise RequestError(400, "INVALID_FILE_METADATA", f"invalid metadata format. {err}") from err
+                    raise RequestError(400, "INVALID_FILE_METADATA", f"the metadata part is not JSON: {err}") from err
                 if not isinstance(meta, dict) or not meta.get("path"):
-                    raise RequestError(400, "INVALID_FILE_METADATA", "metadata path is empty")
+                    raise RequestError(400, "INVALID_FILE_METADATA", "the metadata names no path")
             elif name == "file":
                 if meta is None:
                     raise RequestError(400, "INVALID_FILE_METADATA", "a file part came without its metadata")
-                _write_upload(meta, read_into)
+                with self.server.identity.files():
+                    _write_upload(meta, read_into)
                 meta, written = None, written + 1
         if not written:
-            raise RequestError(400, "INVALID_FILE_CONTENT", "file is missing")
+            raise RequestError(400, "INVALID_FILE_CONTENT", "no file part came")
         self._respond_json(200, None)
 
     def download(self) -> None:
         path = self._one_path()
-        try:
-            handle = open(path, "rb")  # noqa: SIM115 - closed below, after streaming
-        except OSError as err:
-            raise not_found(err) from err
+        with self.server.identity.files():
+            try:
+                handle = open(path, "rb")  # noqa: SIM115 - closed below, after streaming
+            except OSError as err:
+                raise file_error("open", path, err) from err
         with handle:
             size = os.fstat(handle.fileno()).st_size
             start, length, status = 0, size, 200
@@ -567,50 +745,70 @@ class Handler(BaseHTTPRequestHandler):
 
     def files_info(self) -> None:
         result = {}
-        for raw in self._paths():
-            try:
-                result[raw] = file_info(expand(raw))
-            except OSError as err:
-                raise not_found(err) from err
+        with self.server.identity.files():
+            for raw in self._paths():
+                try:
+                    result[raw] = file_info(expand(raw))
+                except OSError as err:
+                    raise file_error("lstat", expand(raw), err) from err
         self._respond_json(200, result)
+
+    def remove_files(self) -> None:
+        for raw in self._paths():
+            path = expand(raw)
+            try:
+                if self.server.forget_spool(path):
+                    os.unlink(path)  # its own output file: removed with the daemon's identity
+                    continue
+                with self.server.identity.files():
+                    _remove_file(path)
+            except FileNotFoundError:
+                continue
+            except OSError as err:
+                raise RequestError(
+                    500, "RUNTIME_ERROR", f"could not remove {raw}: {go_error('remove', path, err)}"
+                ) from err
+        self._respond_json(200, None)
 
     def list_directory(self) -> None:
         root = self._one_path()
         raw_depth = (self.query.get("depth") or ["1"])[0] or "1"
         if not raw_depth.isdigit():
             raise RequestError(400, "INVALID_REQUEST_BODY", f"invalid query parameter 'depth': {raw_depth}")
-        try:
-            st = os.lstat(root)
-        except OSError as err:
-            raise not_found(err) from err
-        if stat.S_ISLNK(st.st_mode):
-            raise RequestError(400, "INVALID_REQUEST_BODY", f"path is a symbolic link, refusing to traverse: {root}")
-        if not stat.S_ISDIR(st.st_mode):
-            raise RequestError(400, "INVALID_REQUEST_BODY", f"path is not a directory: {root}")
         entries: list[dict] = []
-        try:
-            _walk(root, int(raw_depth), entries)
-        except OSError as err:
-            raise RequestError(500, "RUNTIME_ERROR", f"error listing directory {root}. {err}") from err
+        with self.server.identity.files():
+            try:
+                st = os.lstat(root)
+            except OSError as err:
+                raise file_error("lstat", root, err) from err
+            if stat.S_ISLNK(st.st_mode):
+                raise RequestError(
+                    400, "INVALID_REQUEST_BODY", f"path is a symbolic link, refusing to traverse: {root}"
+                )
+            if not stat.S_ISDIR(st.st_mode):
+                raise RequestError(400, "INVALID_REQUEST_BODY", f"path is not a directory: {root}")
+            try:
+                _walk(root, int(raw_depth), entries)
+            except OSError as err:
+                raise RequestError(500, "RUNTIME_ERROR", f"could not list {root}: {err}") from err
         self._respond_json(200, entries)
 
     def make_directories(self) -> None:
         request = self._json_body()
         if not isinstance(request, dict):
             raise RequestError(400, "INVALID_REQUEST_BODY", "the body must map directories to permissions")
-        for raw, perm in request.items():
-            path, perm = expand(raw), perm or {}
-            existed = os.path.isdir(path)
-            try:
-                os.makedirs(path, exist_ok=True)
-                if not existed:
-                    mode = octal_mode(perm.get("mode"))
-                    if mode is not None:
-                        os.chmod(path, mode)
-                    chown_names(path, perm.get("owner"), perm.get("group"))
-            except (OSError, KeyError) as err:
-                raise RequestError(500, "RUNTIME_ERROR", f"error creating directory {raw}. {err}") from err
+        with self.server.identity.files():
+            for raw, perm in request.items():
+                _make_directory(expand(raw), perm or {})
         self._respond_json(200, None)
+
+
+def file_error(operation: str, path: str, err: OSError) -> RequestError:
+    """execd's answer to a failed file operation: 404 ``FILE_NOT_FOUND`` for a missing one, else 500."""
+    words = go_error(operation, path, err)
+    if isinstance(err, FileNotFoundError):
+        return RequestError(404, "FILE_NOT_FOUND", f"no such file: {words}")
+    return RequestError(500, "RUNTIME_ERROR", f"could not reach the file: {words}")
 
 
 def _write_upload(meta: dict, read_into) -> None:
@@ -623,8 +821,34 @@ def _write_upload(meta: dict, read_into) -> None:
         if mode is not None:
             os.chmod(path, mode)
         chown_names(path, meta.get("owner"), meta.get("group"))
-    except (OSError, KeyError) as err:
-        raise RequestError(500, "RUNTIME_ERROR", f"error writing file {meta['path']}. {err}") from err
+    except OSError as err:
+        words = go_error("open", path, err)
+        raise RequestError(500, "RUNTIME_ERROR", f"could not write {meta['path']}: {words}") from err
+    except KeyError as err:
+        raise RequestError(
+            500, "RUNTIME_ERROR", f"could not write {meta['path']}: no such user or group {err}"
+        ) from err
+
+
+def _remove_file(path: str) -> None:
+    if stat.S_ISDIR(os.lstat(path).st_mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+    os.unlink(path)
+
+
+def _make_directory(path: str, perm: dict) -> None:
+    existed = os.path.isdir(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+        if not existed:
+            mode = octal_mode(perm.get("mode"))
+            if mode is not None:
+                os.chmod(path, mode)
+            chown_names(path, perm.get("owner"), perm.get("group"))
+    except OSError as err:
+        raise RequestError(500, "RUNTIME_ERROR", f"could not make {path}: {go_error('mkdir', path, err)}") from err
+    except KeyError as err:
+        raise RequestError(500, "RUNTIME_ERROR", f"could not make {path}: no such user or group {err}") from err
 
 
 def _walk(directory: str, depth: int, entries: list[dict], level: int = 0) -> None:
@@ -644,20 +868,55 @@ ROUTES = {
     ("POST", "/files/upload"): Handler.upload,
     ("GET", "/files/download"): Handler.download,
     ("GET", "/files/info"): Handler.files_info,
+    ("DELETE", "/files"): Handler.remove_files,
     ("GET", "/directories/list"): Handler.list_directory,
     ("POST", "/directories"): Handler.make_directories,
 }
 
 
+class ExecdServer(ThreadingHTTPServer):
+    """The listening daemon: its token, its command user, the environment commands start from."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], token: str | None, environ: dict) -> None:
+        super().__init__(address, Handler)
+        self.token = token
+        self.identity = Identity.from_environment(environ)
+        self.command_env = {k: v for k, v in environ.items() if k != TOKEN_ENV and not k.startswith("EXECD_COMMAND_")}
+        self.grace = go_duration_seconds(environ.get("EXECD_API_GRACE_SHUTDOWN", "1s"))
+        self._spools: set[str] = set()
+        self._lock = threading.Lock()
+
+    def remember_spools(self, paths: list[str]) -> None:
+        with self._lock:
+            self._spools.update(paths)
+
+    def forget_spool(self, path: str) -> bool:
+        """True (and forgotten) when ``path`` is one of this daemon's output files."""
+        with self._lock:
+            if path in self._spools:
+                self._spools.discard(path)
+                return True
+            return False
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="The project's execd-compatible guest daemon.")
+    parser = argparse.ArgumentParser(description="The project's execd-compatible guest daemon (test infrastructure).")
     parser.add_argument("--host", default=os.environ.get("EXECD_HOST", "0.0.0.0"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("EXECD_PORT", DEFAULT_PORT)))
+    parser.add_argument("--access-token", default=None, help=f"the access token (default: ${TOKEN_ENV})")
     args = parser.parse_args(argv)
-    server = ThreadingHTTPServer((args.host, args.port), Handler)
-    server.daemon_threads = True
+    environ = dict(os.environ)
+    token = args.access_token or environ.get(TOKEN_ENV) or None
+    os.environ.pop(TOKEN_ENV, None)
+    if os.geteuid() == 0:
+        os.setgroups([])  # no supplementary group of root's reaches a file operation
+    server = ExecdServer((args.host, args.port), token, environ)
     host, port = str(server.server_address[0]), server.server_port
     sys.stderr.write(f"opensandbox-execd listening on {host}:{port}\n")
+    if not token:
+        sys.stderr.write(f"opensandbox-execd: no access token (${TOKEN_ENV}): every request will be refused\n")
     sys.stderr.flush()
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     try:

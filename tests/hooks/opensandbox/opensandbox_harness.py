@@ -3,7 +3,9 @@ The real ``opensandbox-server`` (from PyPI), started by the tests on loopback ag
 Engine, with the project's guest daemon as its execd image.
 
 ``scripts/setup.sh`` installs the server into ``.venv-opensandbox-server`` (it needs a newer FastAPI than
-Airflow allows); ``scripts/docker/prepare.sh`` builds the execd image. Every sandbox container this server
+Airflow allows); ``scripts/docker/prepare.sh`` builds the execd image (``SANDBOX_EXECD_IMAGE`` names
+another one, built by ``scripts/docker/opensandbox-execd-image.sh``). The guest daemon in it waits about a
+second after each command as the vendor's does; a sandbox whose env holds ``FAST`` does not. Every sandbox container this server
 creates carries ``AIRFLOW_SANDBOX_TEST_SERVER=<token>`` in its environment, which is how :meth:`cleanup`
 finds exactly this server's containers on an Engine that others use at the same time. The
 ``opensandbox_server`` fixture in ``conftest.py`` runs one per session.
@@ -28,6 +30,8 @@ GUEST = Path(__file__).resolve().parent
 SANDBOX_IMAGE = os.environ.get("SANDBOX_DOCKER_IMAGE", "airflow-sandbox-python:bookworm")
 EXECD_IMAGE = os.environ.get("SANDBOX_EXECD_IMAGE", "airflow-sandbox-execd:bookworm")
 MARK = "AIRFLOW_SANDBOX_TEST_SERVER"
+#: The env that turns off the guest daemon's wait after each command, for tests that run many commands.
+FAST = {"EXECD_API_GRACE_SHUTDOWN": "0"}
 
 
 def server_binary() -> Path:
@@ -180,7 +184,10 @@ class OpenSandboxServer:
             return "(no log)"
 
     def connection_config(self, **overrides):
-        """A fresh ``ConnectionConfigSync`` for this server (the SDK closes it with each sandbox)."""
+        """
+        A fresh ``ConnectionConfigSync`` for this server (the SDK closes it with each sandbox); a sandbox's
+        access token goes in ``headers={"X-EXECD-ACCESS-TOKEN": token}``.
+        """
         from datetime import timedelta
 
         from opensandbox.config import ConnectionConfigSync

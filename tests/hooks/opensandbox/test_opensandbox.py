@@ -124,6 +124,52 @@ def test_a_refused_api_key_is_terminal(hook, fake):
         hook.create(spec=OPEN)
 
 
+# -- the daemon's access token ----------------------------------------------------------------------------
+
+
+def _execd_requests(fake, handle):
+    return [r for r in fake.requests if r.url.host == f"sandbox-{handle}.invalid" and "/proxy/44772/" in r.url.path]
+
+
+def test_each_sandbox_gets_its_own_token_and_every_daemon_request_carries_it(hook, fake):
+    first, second = hook.create(spec=OPEN), hook.create(spec=OPEN)
+    hook.write_file(first, "f.txt", b"x")
+    _run(hook, first)
+    tokens = {handle: fake.sandboxes[handle].token for handle in (first, second)}
+    assert tokens[first] and tokens[second] and tokens[first] != tokens[second]
+    requests = _execd_requests(fake, first)
+    assert {"/proxy/44772/ping", "/proxy/44772/command", "/proxy/44772/files/upload"} <= {r.url.path for r in requests}
+    assert all(r.headers[driver.TOKEN_HEADER] == tokens[first] for r in requests)
+
+
+def test_a_request_without_the_token_is_refused_by_the_fake_as_by_the_daemon(hook, fake, handle):
+    """The fake's own check, so the tests above would see a hook that forgot the token."""
+    url = f"http://sandbox-{handle}.invalid/proxy/44772/ping"
+    with httpx.Client(transport=fake.transport) as client:
+        assert client.get(url).status_code == 401
+        assert client.get(url, headers={driver.TOKEN_HEADER: fake.sandboxes[handle].token}).status_code == 200
+
+
+def test_another_worker_reads_the_token_from_the_metadata(fake, conn):
+    existing = fake.add(token="t-from-elsewhere")
+    later = OpenSandboxHook(conn, transport=fake.transport)
+    assert _run(later, existing.id).ok
+    assert all(r.headers[driver.TOKEN_HEADER] == "t-from-elsewhere" for r in _execd_requests(fake, existing.id))
+
+
+def test_a_token_the_daemon_refuses_is_terminal_and_says_why(fake, conn):
+    existing = fake.add(token="right")
+    existing.metadata[driver.TOKEN_KEY] = "changed"
+    with pytest.raises(SandboxTerminalError, match=f"refused the access token .*HTTP 401.*{driver.TOKEN_KEY}"):
+        _run(OpenSandboxHook(conn, transport=fake.transport), existing.id)
+
+
+def test_the_token_variable_cannot_be_set_in_the_spec(hook, fake):
+    with pytest.raises(SandboxTerminalError, match="EXECD_ACCESS_TOKEN, which the OpenSandbox backend sets itself"):
+        hook.create(spec=SandboxSpec(block_network=False, env={"EXECD_ACCESS_TOKEN": "mine"}))
+    assert fake.requests == []
+
+
 # -- create --------------------------------------------------------------------------------------------
 
 
@@ -133,9 +179,11 @@ def test_create_sends_lifetime_resources_env_and_label_safe_stamps(hook, fake):
     body = json.loads(next(r for r in fake.requests if r.url.path == "/v1/sandboxes").content)
     assert body["image"] == {"uri": "airflow-sandbox-python:bookworm"}
     assert body["timeout"] == 3600 and body["resourceLimits"] == {"cpu": "1", "memory": "2Gi"}
-    assert body["env"] == {"A": "1"}
+    token = body["env"].pop(driver.TOKEN_ENV)
+    assert body["env"] == {"A": "1"} and len(token) == 48
     assert "networkPolicy" not in body  # an open network starts no egress sidecar
     metadata = body["metadata"]
+    assert metadata[driver.TOKEN_KEY] == token
     assert metadata[driver.NAME_KEY].startswith("airflow-sandbox-")
     assert all(len(v) <= 63 and fake_server._LABEL_VALUE.fullmatch(v) for v in metadata.values())
     assert hook.read_tags(handle)[OWNER_TAG] == owner
@@ -220,7 +268,7 @@ def test_minus_one_at_the_deadline_is_a_timeout_and_keeps_the_sandbox(hook, fake
     fake.on_command(late)
     result = _run(hook, handle, "sleep 60", timeout=0.2)
     assert result.timed_out and not result.sandbox_terminated and result.applied_timeout == 0.2
-    assert handle in fake.sandboxes and "DELETE" not in [r.method for r in fake.requests]
+    assert handle in fake.sandboxes and "DELETE" not in [r.method for r in fake.requests if "/v1/" in r.url.path]
 
 
 @pytest.mark.parametrize(("trace", "code"), [("signal: killed", 137), ("signal: terminated", 143)])
@@ -243,6 +291,55 @@ def test_output_streams_with_newlines_and_keeps_bounded_tails(hook, fake, handle
     result = _run(hook, handle, max_output_bytes=100, on_output=lambda stream, data: seen.append((stream, data)))
     assert seen[0] == ("stdout", b"line 0\n") and ("stderr", b"oops\n") in seen
     assert len(result.stdout.encode()) <= 100 and result.stdout_truncated and result.stdout.endswith("line 1999\n")
+
+
+def test_output_is_byte_for_byte_from_the_spool_and_the_spool_is_removed(hook, fake, handle):
+    """Blank lines, CRLF, lone CRs and an unended last line: the live stream has the lines, the result the bytes."""
+    data = b"x\n\ny\r\nz"
+    fake.on_command(
+        lambda command, body: [
+            fake_server.printed("stdout", data),
+            fake_server.printed("stderr", b"e\r"),
+            fake_server.complete(),
+        ]
+    )
+    seen = []
+    result = _run(hook, handle, on_output=lambda stream, chunk: seen.append((stream, chunk)))
+    assert (result.stdout, result.stderr) == ("x\n\ny\r\nz", "e\r")
+    assert (result.stdout_totals.bytes, result.stdout_totals.lines) == (len(data), 4)
+    assert b"".join(chunk for stream, chunk in seen if stream == "stdout") == b"x\n\ny\nz\n"  # the events' lines
+    assert not [path for path in fake.sandboxes[handle].files if path.startswith("/tmp/")]
+
+
+def test_the_spool_gives_the_exact_tail_of_a_long_output(hook, fake, handle):
+    data = b"".join(b"line %d\r\n" % n for n in range(3000)) + b"end"
+    fake.on_command(lambda command, body: [fake_server.printed("stdout", data), fake_server.complete()])
+    result = _run(hook, handle, max_output_bytes=50)
+    assert result.stdout.encode() == data[-50:] and result.stdout_truncated
+    assert (result.stdout_totals.bytes, result.stdout_totals.lines) == (len(data), 3001)
+    assert result.stdout_totals.tail_at_line_start is (data[-51:-50] == b"\n")
+    download = [r for r in fake.requests if r.url.path.endswith("/files/download")][-1]
+    assert download.headers["range"] == f"bytes={len(data) - 51}-{len(data) - 1}"
+
+
+def test_without_spool_files_the_lines_stand(hook, fake, handle):
+    """A daemon that removes its output files itself: blank lines still exact, what ended each line lost."""
+    fake.spool = False
+    fake.on_command(lambda command, body: [fake_server.printed("stdout", b"a\n\nb\r\nc"), fake_server.complete()])
+    assert _run(hook, handle).stdout == "a\n\nb\nc\n"
+    assert not any(r.url.path.endswith("/files/download") for r in fake.requests)
+
+
+def test_a_signal_death_just_before_the_deadline_is_not_taken_for_the_timeout(hook, fake, handle):
+    """execd waits after each command; its own clock, not the worker's, says when the command ended."""
+
+    def dies_then_waits(command, body):
+        yield fake_server.failed("-1", "signal: killed")
+        time.sleep(body["timeout"] / 1000 + 0.1)  # the daemon's wait after the command, past the deadline
+
+    fake.on_command(dies_then_waits)
+    result = _run(hook, handle, "kill -9 $$", timeout=0.5)
+    assert (result.exit_code, result.timed_out) == (137, False)
 
 
 # -- commands: lost sandboxes, reconnects and stalls ---------------------------------------------------------

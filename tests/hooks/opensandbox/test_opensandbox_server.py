@@ -4,14 +4,21 @@ The real OpenSandbox server tier, below the hook: the ``opensandbox`` SDK agains
 
 These pin the vendor facts the hook is built on (``reference/backend-sdks.md`` §1.4): real containers,
 the 60 s lifetime minimum, 404 on a second destroy, metadata that can be patched after create, sandboxes
-that survive a server restart and expire on time, and a lost container surfacing mid-command.
+that survive a server restart and expire on time, and a lost container surfacing mid-command. And what the
+guest daemon adds to them: its port refuses whoever lacks the sandbox's token (the server's own proxy,
+which asks for no API key, included), and sandbox code can neither kill it nor take its port.
 """
 
 from __future__ import annotations
 
+import json
+import secrets
 import threading
 import time
+import urllib.error
+import urllib.request
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
@@ -29,15 +36,28 @@ pytestmark = pytest.mark.docker
 
 OPEN = SandboxSpec(block_network=False)
 
-from opensandbox_harness import MARK, SANDBOX_IMAGE
+from opensandbox_harness import FAST, MARK, SANDBOX_IMAGE
+
+from sandbox_provider.hooks.opensandbox import driver  # noqa: E402
+
+FORGE = Path(__file__).resolve().parent / "opensandbox_forge.py"
+QUICK = SandboxSpec(block_network=False, env=FAST)
 
 
-def _create(server, *, lifetime: float = 300, **kwargs) -> SandboxSync:
+def _token_config(server, token: str):
+    return server.connection_config(headers={driver.TOKEN_HEADER: token})
+
+
+def _create(server, *, lifetime: float = 300, env: dict | None = None, **kwargs) -> SandboxSync:
+    """A sandbox made with the SDK alone, its daemon's token passed as the hook passes it."""
+    token = secrets.token_hex(16)
     return SandboxSync.create(
         SANDBOX_IMAGE,
         timeout=timedelta(seconds=lifetime),
         ready_timeout=timedelta(seconds=60),
-        connection_config=server.connection_config(),
+        connection_config=_token_config(server, token),
+        env={**(env or {}), driver.TOKEN_ENV: token},
+        metadata={driver.TOKEN_KEY: token, **kwargs.pop("metadata", {})},
         **kwargs,
     )
 
@@ -69,11 +89,14 @@ def test_create_runs_a_real_container_with_the_projects_guest_daemon(opensandbox
         assert container is not None and container.status == "running"
         assert f"{MARK}={opensandbox_server.token}" in container.attrs["Config"]["Env"]
         assert container.attrs["Config"]["Entrypoint"] == ["/opt/opensandbox/bootstrap.sh"]
-        assert sandbox.get_info().metadata == {"owner-hint": "test"}
+        assert sandbox.get_info().metadata["owner-hint"] == "test"
         execution = sandbox.commands.run("echo $GREETING; ps -eo args")
         out = [m.text for m in execution.logs.stdout]
         assert out[0] == "hello"
         assert any("/opt/opensandbox/execd" in line for line in out)
+        # The daemon spooled the output to /tmp and left it there, as the vendor's does (the hook removes it).
+        spooled = f"/tmp/{execution.id}.stdout"
+        assert sandbox.files.read_bytes(spooled).decode().startswith("hello\n")
     finally:
         sandbox.destroy()
     assert _gone(opensandbox_server, sandbox.id)
@@ -91,11 +114,11 @@ def test_a_lifetime_under_the_servers_minimum_is_refused(opensandbox_server):
 
 def test_metadata_can_be_patched_after_create_within_label_rules(opensandbox_server):
     sandbox = _create(opensandbox_server, metadata={"a": "1"})
+    token = sandbox.get_info().metadata[driver.TOKEN_KEY]
     try:
-        assert sandbox.patch_metadata({"b": "two", "a": None}).metadata == {"b": "two"}
-        assert SandboxSync.connect(
-            sandbox.id, connection_config=opensandbox_server.connection_config()
-        ).get_info().metadata == {"b": "two"}
+        assert sandbox.patch_metadata({"b": "two", "a": None}).metadata == {"b": "two", driver.TOKEN_KEY: token}
+        again = SandboxSync.connect(sandbox.id, connection_config=_token_config(opensandbox_server, token))
+        assert again.get_info().metadata == {"b": "two", driver.TOKEN_KEY: token}
         with pytest.raises(SandboxApiException) as err:
             sandbox.patch_metadata({"c": "dag_run:x/y"})
         assert err.value.status_code == 400
@@ -187,6 +210,126 @@ def test_a_container_removed_mid_command_is_terminal(opensandbox_server, hook):
     finally:
         remover.join()
     hook.destroy(handle)  # already gone: not an error
+
+
+# -- the guest daemon: the token and the command user --------------------------------------------------------
+
+
+def _post_command(url: str, command: str, headers: dict) -> tuple[int, str]:
+    """``(HTTP status, body)`` of a raw ``POST /command`` (the stream's events, or the error)."""
+    body = json.dumps({"command": command}).encode()
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+
+
+@pytest.fixture
+def guarded(opensandbox_conn):
+    """A hook sandbox (no wait after commands) with its token and its daemon's published address."""
+    hook = OpenSandboxHook(opensandbox_conn)
+    handle = hook.create(spec=QUICK)
+    try:
+        token = hook._metadata(handle)[driver.TOKEN_KEY]
+        yield {"hook": hook, "handle": handle, "token": token}
+    finally:
+        hook.destroy(handle)
+
+
+def test_the_published_port_and_the_servers_proxy_refuse_a_request_without_the_token(opensandbox_server, guarded):
+    """Any local user can reach both; the lifecycle API wants its key, the proxy path none, the daemon its token."""
+    handle, token = guarded["handle"], guarded["token"]
+    binding = opensandbox_server.sandbox_container(handle).attrs["NetworkSettings"]["Ports"]["44772/tcp"][0]
+    published = f"http://{binding['HostIp']}:{binding['HostPort']}/command"
+    proxied = f"http://{opensandbox_server.domain}/sandboxes/{handle}/proxy/44772/command"
+    with pytest.raises(urllib.error.HTTPError) as no_key:
+        urllib.request.urlopen(f"http://{opensandbox_server.domain}/v1/sandboxes/{handle}", timeout=30)
+    assert no_key.value.code == 401  # the server's API without its key
+    for url in (published, proxied):
+        for headers in ({}, {driver.TOKEN_HEADER: "not-" + token}):
+            status, body = _post_command(url, "touch /workspace/intruded", headers)
+            assert status == 401 and driver.TOKEN_HEADER in body, (url, headers, body)
+    read = guarded["hook"].run_command(handle, "ls /workspace", timeout=30, max_output_bytes=4096)
+    assert "intruded" not in read.stdout
+    # Positive control: with the sandbox's token, both run the command.
+    for url in (published, proxied):
+        status, body = _post_command(url, "echo let-in", {driver.TOKEN_HEADER: token})
+        assert status == 200 and '"let-in"' in body, (url, body)
+
+
+def test_sandbox_code_can_neither_kill_the_daemon_nor_take_its_port(guarded, opensandbox_conn):
+    """
+    The attack of issue 23.7 (kill the daemon, bind its port, answer the next commands) run as the sandbox's
+    code: it works against a daemon of the command's own user, and fails against the sandbox's own.
+    """
+    hook, handle = guarded["hook"], guarded["handle"]
+    hook.write_file(handle, "forge.py", FORGE.read_bytes())
+
+    def sh(command: str):
+        return hook.run_command(handle, command, timeout=60, max_output_bytes=64 * 1024)
+
+    # Positive control: a copy of the daemon run by the command user itself falls to the same attack.
+    started = sh(
+        "EXECD_ACCESS_TOKEN=decoy EXECD_PORT=44773 EXECD_API_GRACE_SHUTDOWN=0 /opt/opensandbox/execd >/dev/null 2>&1 & "
+        "echo $!; for i in $(seq 100); do sleep 0.1; "
+        "python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 44773))' 2>/dev/null && break; done"
+    )
+    decoy_pid = int(started.stdout.split()[0])
+    outcome = json.loads(sh(f"python3 forge.py {decoy_pid} 44773").stdout.splitlines()[-1])
+    assert (outcome["kill"], outcome["bind"]) == ("done", "done")
+    asked = sh(
+        'python3 -c \'import urllib.request as u; r = u.Request("http://127.0.0.1:44773/command", '
+        'data=b"{}", headers={"X-EXECD-ACCESS-TOKEN": "decoy"}); print(u.urlopen(r).read().decode())\''
+    )
+    assert "FORGED-OUTPUT" in asked.stdout and '"execution_complete"' in asked.stdout
+    # The attack on the sandbox's own daemon, found by its command line.
+    attack = sh("python3 forge.py @/opt/opensandbox/execd 44772; id -u")
+    outcome = json.loads(attack.stdout.splitlines()[0])
+    assert (outcome["kill"], outcome["bind"], outcome["forger"]) == ("EPERM", "EADDRINUSE", None)
+    assert outcome["target"] != decoy_pid
+    assert attack.stdout.splitlines()[1] == "65432"
+    # The next task, attaching from another worker, gets the command's own result.
+    later = OpenSandboxHook(opensandbox_conn).run_command(
+        handle, "echo REAL; exit 3", timeout=30, max_output_bytes=4096
+    )
+    assert (later.exit_code, later.stdout) == (3, "REAL\n")
+
+
+def test_the_token_is_out_of_reach_of_sandbox_code(opensandbox_server, guarded):
+    hook, handle, token = guarded["hook"], guarded["handle"], guarded["token"]
+    probe = hook.run_command(
+        handle,
+        "env; cat /proc/1/environ; for d in /proc/[0-9]*; do tr '\\0' '\\n' < $d/environ 2>/dev/null; done; "
+        f"grep -rlsF -e {token} /opt /etc /tmp /workspace /root; true",
+        timeout=30,
+        max_output_bytes=1024 * 1024,
+    )
+    assert "PATH=" in probe.stdout  # it did read environments: its own
+    assert token not in probe.stdout and "EXECD_ACCESS_TOKEN=" not in probe.stdout
+    assert "/proc/1/environ: Permission denied" in probe.stderr
+    # Positive control: the same loop over /proc, run as root, finds the token in the daemon's environment.
+    container = opensandbox_server.sandbox_container(handle)
+    as_root = container.exec_run(["sh", "-c", "cat /proc/[0-9]*/environ 2>/dev/null"], user="root")
+    assert token in as_root.output.decode(errors="replace")
+
+
+def test_the_daemon_waits_after_each_command_unless_told_not_to(hook):
+    """The vendor's daemon holds each command's stream about a second; a 1 s timeout stays a timeout, a kill a kill."""
+    handle = hook.create(spec=OPEN)
+    try:
+        started = time.monotonic()
+        assert hook.run_command(handle, "true", timeout=30, max_output_bytes=4096).ok
+        assert time.monotonic() - started >= 1.0
+        killed = hook.run_command(handle, "sleep 0.2; kill -9 $$", timeout=1.0, max_output_bytes=4096)
+        assert (killed.exit_code, killed.timed_out) == (137, False)
+        slept = hook.run_command(handle, "sleep 30", timeout=1.0, max_output_bytes=4096)
+        assert slept.timed_out
+        left = [name for name, _ in hook.list_directory(handle, "/tmp") if name.endswith((".stdout", ".stderr"))]
+        assert left == []  # the daemon left each command's output files; the hook removed them
+    finally:
+        hook.destroy(handle)
 
 
 def test_flights_example_on_opensandbox_matches_the_local_report_byte_for_byte(

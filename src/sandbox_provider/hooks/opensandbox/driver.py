@@ -1,7 +1,8 @@
 """
 Plain functions behind :class:`~sandbox_provider.hooks.opensandbox.OpenSandboxHook`: the ``opensandbox``
-SDK's configuration, the stamps as server metadata, the egress policy and its readback, error and
-exit-status translation. The SDK is imported inside the functions that use it.
+SDK's configuration, the sandbox's access token, the stamps as server metadata, the egress policy and its
+readback, the daemon's output events and files, error and exit-status translation. The SDK is imported
+inside the functions that use it.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import base64
 import ipaddress
 import posixpath
 import re
+import secrets
 import signal
 from collections.abc import Mapping
 from datetime import timedelta
@@ -27,6 +29,15 @@ ENFORCING_MODE = "dns+nft"
 NAME_KEY = "airflow_sandbox"
 #: A label value holds at most 63 characters.
 _LABEL_CHARS = 63
+#: execd takes its access token from this variable of its environment and wants it back in this header
+#: on every request; the hook keeps each sandbox's token in its metadata under ``TOKEN_KEY``.
+TOKEN_ENV, TOKEN_HEADER, TOKEN_KEY = "EXECD_ACCESS_TOKEN", "X-EXECD-ACCESS-TOKEN", "airflow_execd_token"
+#: Where execd spools a command's output (``/tmp/<execution id>.stdout`` and ``.stderr``).
+SPOOL_DIR = "/tmp"
+#: Seconds by which execd's clock may put a timeout's error before the deadline (the command starts a
+#: little after the ``init`` event's stamp is taken, or before).
+TIMER_SLACK = 0.25
+_EXECUTION_ID = re.compile(r"[A-Za-z0-9-]{1,64}")
 
 
 def import_sdk() -> Any:
@@ -43,11 +54,12 @@ def import_sdk() -> Any:
     return opensandbox
 
 
-def connection_config(settings: Mapping[str, Any], transport: Any = None) -> Any:
+def connection_config(settings: Mapping[str, Any], transport: Any = None, token: str | None = None) -> Any:
     """
     A new ``ConnectionConfigSync`` from resolved settings (``domain`` None: the SDK reads
     ``OPEN_SANDBOX_DOMAIN`` and ``OPEN_SANDBOX_API_KEY``). A new one per sandbox object, since the SDK
-    closes the transport it made when that sandbox is closed.
+    closes the transport it made when that sandbox is closed. ``token``, a sandbox's access token,
+    rides in execd's header on every request: the SDK adds the config's headers to each one.
     """
     import_sdk()
     from opensandbox.config import ConnectionConfigSync
@@ -61,7 +73,20 @@ def connection_config(settings: Mapping[str, Any], transport: Any = None) -> Any
             options[name] = settings[name]
     if transport is not None:
         options["transport"] = transport
+    if token:
+        options["headers"] = {TOKEN_HEADER: token}
     return ConnectionConfigSync(**options)
+
+
+def new_token() -> str:
+    """A fresh access token for one sandbox: 48 hex digits, a valid label value."""
+    return secrets.token_hex(24)
+
+
+def token_of(metadata: Mapping[str, str] | None) -> str | None:
+    """The access token kept in a sandbox's metadata, or None for a sandbox made without one."""
+    token = (metadata or {}).get(TOKEN_KEY)
+    return token if isinstance(token, str) and token else None
 
 
 # -- stamps as metadata ----------------------------------------------------------------------------------
@@ -198,6 +223,34 @@ def network_refusal(mode: str | None, default: str | None, allowed: set[str], sp
     )
 
 
+# -- output ------------------------------------------------------------------------------------------------
+
+
+def line_text(text: str) -> str:
+    """
+    The output one execd line event stands for. execd sends each line without what ended it (a
+    ``\\n``, ``\\r`` or ``\\r\\n``, or nothing for a last line) and an empty line as ``"\\n"``; a line
+    is passed on ended by a newline.
+    """
+    return text if text == "\n" else text + "\n"
+
+
+def spool_paths(execution_id: str | None) -> dict[str, str]:
+    """``{"stdout": path, "stderr": path}`` of the files execd spooled a command's output to; empty for an odd id."""
+    if not execution_id or not _EXECUTION_ID.fullmatch(execution_id):
+        return {}
+    return {stream: f"{SPOOL_DIR}/{execution_id}.{stream}" for stream in ("stdout", "stderr")}
+
+
+def tail_range(size: int, keep: int) -> tuple[int, str]:
+    """
+    ``(bytes, Range header)`` for the end of a ``size``-byte file when ``keep`` bytes are kept: one byte
+    more than that when the file is longer, so the byte before the kept tail says whether it starts a line.
+    """
+    take = min(size, keep + 1)
+    return take, f"bytes={size - take}-{size - 1}"
+
+
 # -- errors and exit statuses ----------------------------------------------------------------------------
 
 
@@ -245,11 +298,18 @@ def signal_status(traceback: list[str]) -> int | None:
     return None
 
 
-def exit_status(execution: Any, elapsed: float, applied: float) -> tuple[int | None, bool, str]:
+def exit_status(
+    execution: Any, elapsed: float, applied: float, began_ms: int | None = None
+) -> tuple[int | None, bool, str]:
     """
     ``(exit code, timed out, note)`` for a finished execution. execd reports both a timeout and a death
     by signal as ``-1``: a -1 at or past the applied deadline is the timeout, any earlier one a signal,
     given as ``128 + signal`` as a shell would. None means the stream ended without an outcome.
+
+    :param elapsed: seconds the call took on the worker, execd's wait after the command included.
+    :param began_ms: the ``init`` event's timestamp. With it, a -1 is the timeout only if execd's own
+        clock also puts the error at the deadline (within ``TIMER_SLACK``): the wait after a command
+        (about a second on the vendor's daemon) makes an earlier death by signal look late on the worker.
     """
     error = execution.error
     if error is None:
@@ -260,7 +320,10 @@ def exit_status(execution: Any, elapsed: float, applied: float) -> tuple[int | N
         return 1, False, "; ".join(error.traceback or [str(error.value)])
     if code != -1:
         return code, False, ""
-    if elapsed >= applied:
+    inside = None
+    if began_ms is not None and getattr(error, "timestamp", None):
+        inside = (int(error.timestamp) - int(began_ms)) / 1000
+    if elapsed >= applied and (inside is None or inside >= applied - TIMER_SLACK):
         return -1, True, ""
     status = signal_status(error.traceback)
     return (status if status is not None else -1), False, "; ".join(error.traceback or [])

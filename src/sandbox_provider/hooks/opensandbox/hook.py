@@ -16,11 +16,18 @@ How the pieces map onto the server:
   sandbox's egress sidecar enforces (``GET /policy``). Only the ``dns+nft`` mode drops traffic the policy
   does not allow (in ``dns`` mode, connections to IP addresses pass); any other answer destroys the
   sandbox and says what the server's operator must change.
+- **The daemon's token**: each sandbox's execd gets an access token of its own in ``EXECD_ACCESS_TOKEN``
+  (its environment at create; kept in the metadata for other workers), sent back on every request in
+  execd's ``X-EXECD-ACCESS-TOKEN`` header through the SDK's connection headers.
 - **Commands** run in the in-sandbox daemon (execd) through ``sh -c``, with execd's own timeout (sent in
   milliseconds), which kills the command's process group and keeps the sandbox. execd reports a timeout
-  and a death by signal alike (``-1``): one at or past the deadline is the timeout, an earlier one a
-  signal, reported as ``128 + n``. Output arrives one line per event, newline stripped; each line is
-  passed on with a newline, as it came (a last line without one gains one). There is no stdin.
+  and a death by signal alike (``-1``): one at or past the deadline by both the worker's clock and
+  execd's event stamps is the timeout (execd waits about a second after each command, so the worker's
+  clock alone runs late), an earlier one a signal, reported as ``128 + n``. Output streams one line per
+  event without what ended the line (an empty line comes as ``"\n"``); each is passed on live ended
+  by a newline. The result then takes the exact bytes from the files execd spooled the output to
+  (``/tmp/<execution id>.stdout`` and ``.stderr``), which are removed; where there are none, the
+  streamed lines stand. There is no stdin.
 - **Files** are native: a size check then a ranged download (never more than ``max_bytes`` + 1 bytes),
   streamed multipart uploads, directory listings.
 """
@@ -87,6 +94,26 @@ class _CountingReader(io.RawIOBase):
         buffer[: len(data)] = data
         self.count += len(data)
         return len(data)
+
+
+class _LineEvents:
+    """A command's execd line events passed on to the sink as output, counted per stream; the ``init`` stamp."""
+
+    def __init__(self, output: OutputSink) -> None:
+        self.output = output
+        self.count = {"stdout": 0, "stderr": 0}
+        self.began_ms: int | None = None
+
+    def init(self, event: Any) -> None:
+        self.began_ms = int(event.timestamp)
+
+    def stdout(self, message: Any) -> None:
+        self.count["stdout"] += 1
+        self.output.stdout(driver.line_text(message.text))
+
+    def stderr(self, message: Any) -> None:
+        self.count["stderr"] += 1
+        self.output.stderr(driver.line_text(message.text))
 
 
 class OpenSandboxHook(Attachable, SandboxHook):
@@ -166,7 +193,15 @@ class OpenSandboxHook(Attachable, SandboxHook):
         self._where = "the OpenSandbox server"
 
     def _refusal(self, spec: Any) -> str | None:
-        """Allowlist entries the egress sidecar cannot take: each must be a hostname or an address range."""
+        """
+        The daemon's token variable in ``env``, and allowlist entries the egress sidecar cannot take:
+        each must be a hostname or an address range.
+        """
+        if driver.TOKEN_ENV in (spec.env or {}):
+            return (
+                f"SandboxSpec.env sets {driver.TOKEN_ENV}, which the OpenSandbox backend sets itself: it is the "
+                "access token of the sandbox's daemon, a new one per sandbox. Remove it from env."
+            )
         for host in spec.allow_egress_to or ():
             if not driver.is_hostname(host):
                 return (
@@ -230,8 +265,8 @@ class OpenSandboxHook(Attachable, SandboxHook):
                 ) from None
             return None
 
-    def _config(self) -> Any:
-        return driver.connection_config(self._resolved(), self.transport)
+    def _config(self, token: str | None = None) -> Any:
+        return driver.connection_config(self._resolved(), self.transport, token)
 
     def _manager(self) -> Any:
         with self._lock:
@@ -249,17 +284,26 @@ class OpenSandboxHook(Attachable, SandboxHook):
             return cached
         sdk = driver.import_sdk()
         settings = self._resolved()
+        token = driver.token_of(self._metadata(handle))
         try:
             sandbox = sdk.SandboxSync.connect(
                 handle,
-                connection_config=self._config(),
+                connection_config=self._config(token),
                 connect_timeout=timedelta(seconds=float(settings["ready_timeout"])),
             )
         except Exception as err:
+            if driver.status_of(err) == 401:  # the server took the API key a moment ago: the daemon refused
+                raise self._token_refused(handle) from err
             raise driver.api_error(err, f"reconnecting to sandbox {handle!r}", self._where, handle) from err
         with self._lock:
             self._sandboxes[handle] = sandbox
         return sandbox
+
+    def _token_refused(self, handle: str) -> SandboxTerminalError:
+        return SandboxTerminalError(
+            f"The daemon in sandbox {handle!r} refused the access token this worker sent (HTTP 401): the token kept "
+            f"in the sandbox's metadata ({driver.TOKEN_KEY}) is missing or was changed. Provision a new sandbox."
+        )
 
     def _forget(self, handle: str) -> None:
         with self._lock:
@@ -274,14 +318,19 @@ class OpenSandboxHook(Attachable, SandboxHook):
         settings = self._resolved()
         spec = request.spec
         policy = driver.network_policy(spec)
-        config = self._config()
+        token = driver.new_token()
+        config = self._config(token)
         try:
             sandbox = sdk.SandboxSync.create(
                 settings["image"],
                 timeout=timedelta(seconds=math.ceil(request.lifetime)),
                 ready_timeout=timedelta(seconds=float(settings["ready_timeout"])),
-                env=dict(spec.env or {}),
-                metadata={driver.NAME_KEY: request.name, **driver.encode_stamps(request.stamps)},
+                env={**dict(spec.env or {}), driver.TOKEN_ENV: token},
+                metadata={
+                    driver.NAME_KEY: request.name,
+                    driver.TOKEN_KEY: token,
+                    **driver.encode_stamps(request.stamps),
+                },
                 resource={"cpu": settings["cpu"], "memory": settings["memory"]},
                 network_policy=policy,
                 connection_config=config,
@@ -354,10 +403,9 @@ class OpenSandboxHook(Attachable, SandboxHook):
         applied_ms = max(1, int(timeout * 1000))
         applied = applied_ms / 1000
         opts = RunCommandOpts(timeout=timedelta(milliseconds=applied_ms), working_directory=self.workdir)
+        lines = _LineEvents(output)
         handlers = ExecutionHandlersSync(
-            on_stdout=lambda message: output.stdout(message.text + "\n"),
-            on_stderr=lambda message: output.stderr(message.text + "\n"),
-            skip_accumulation=True,
+            on_init=lines.init, on_stdout=lines.stdout, on_stderr=lines.stderr, skip_accumulation=True
         )
         done: dict[str, Any] = {}
 
@@ -378,16 +426,54 @@ class OpenSandboxHook(Attachable, SandboxHook):
             return RunOutcome(exit_code=-1, timed_out=True, sandbox_terminated=True, applied_timeout=applied)
         if "error" in done:
             raise self._lost(handle, done["error"])
-        code, timed_out, note = driver.exit_status(done["execution"], elapsed, applied)
+        code, timed_out, note = driver.exit_status(done["execution"], elapsed, applied, lines.began_ms)
         if code is None:
             raise self._lost(handle, None)
+        self._exact_output(handle, sandbox, done["execution"].id, output, lines.count)
         if note and code == 1:
             output.stderr(f"{note}\n")
         return RunOutcome(exit_code=code, timed_out=timed_out, applied_timeout=applied)
 
+    def _exact_output(self, handle: str, sandbox: Any, execution_id: Any, output: OutputSink, lines: dict) -> None:
+        """
+        Make the result hold the command's output byte for byte: execd spooled it to two files in the
+        sandbox's ``/tmp``, read here (the tail the result keeps) and then removed. Where they cannot be
+        read (a daemon that removes them itself), the output stays as the line events gave it.
+        """
+        paths = driver.spool_paths(execution_id)
+        if not paths:
+            return
+        try:
+            infos = sandbox.files.get_file_info(list(paths.values()))
+        except Exception as err:
+            log.debug("No output files of execution %s in sandbox %s: %s", execution_id, handle, err)
+            return
+        try:
+            for stream, path in paths.items():
+                size = int(infos[path].size)
+                take, header = driver.tail_range(size, output.max_output_bytes)
+                data = b""
+                if take:
+                    data = b"".join(sandbox.files.read_bytes_stream(path, chunk_size=CHUNK_BYTES, range_header=header))
+                if len(data) != take:
+                    continue
+                ended = data.endswith((b"\n", b"\r")) or not data
+                estimate = lines[stream] - (0 if ended else 1)  # every line event but an unended last one
+                newlines = data.count(b"\n") if take == size else max(data.count(b"\n"), estimate)
+                output.restate(stream, data, total_bytes=size, newlines=newlines)
+        except Exception:
+            log.debug("Kept the streamed output of execution %s in sandbox %s", execution_id, handle, exc_info=True)
+        finally:
+            try:
+                sandbox.files.delete_files(list(paths.values()))
+            except Exception as err:
+                log.debug("Could not remove the output files %s of sandbox %s: %s", list(paths.values()), handle, err)
+
     def _lost(self, handle: str, err: BaseException | None) -> SandboxError:
         """The error for a command whose stream broke: terminal when the sandbox is gone, else retryable."""
         self._forget(handle)
+        if err is not None and driver.status_of(err) == 401:
+            return self._token_refused(handle)
         if err is not None and driver.status_of(err) not in (None, 404):
             return driver.api_error(err, "running a command", self._where, handle)
         try:
