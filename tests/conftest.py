@@ -90,11 +90,21 @@ DOCKER_IMAGE = os.environ.get("SANDBOX_DOCKER_IMAGE", "airflow-sandbox-python:bo
 DOCKER_CONN_ID = "sandbox_docker_test"
 
 
+def missing_machinery(reason: str, *, required_by: str, prepare: str, what: str):
+    """Skip a test that needs ``what`` (which ``prepare`` sets up), or fail it when ``required_by`` is set."""
+    if os.environ.get(required_by):
+        pytest.fail(f"{required_by} is set but {reason}. Run: {prepare}")
+    pytest.skip(f"{reason}; run {prepare} to test {what}")
+
+
 def docker_unavailable(reason: str):
     """Skip (or, with SANDBOX_REQUIRE_DOCKER set, fail) a test that needs the Docker Engine."""
-    if os.environ.get("SANDBOX_REQUIRE_DOCKER"):
-        pytest.fail(f"SANDBOX_REQUIRE_DOCKER is set but {reason}. Run: bash scripts/docker/prepare.sh")
-    pytest.skip(f"{reason}; run bash scripts/docker/prepare.sh to test the Docker backend")
+    missing_machinery(
+        reason,
+        required_by="SANDBOX_REQUIRE_DOCKER",
+        prepare="bash scripts/docker/prepare.sh",
+        what="the Docker backend",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -166,3 +176,47 @@ def opensandbox_conn(opensandbox_server):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(f"AIRFLOW_CONN_{conn_id.upper()}", json.dumps(value))
         yield conn_id
+
+
+# -- the Kubernetes cluster of scripts/kubernetes/prepare.sh ---------------------------------------------
+
+#: Where scripts/kubernetes/prepare.sh keeps the cluster's state: kubeconfigs, certificates, PID files.
+KUBERNETES_STATE = os.environ.get("SANDBOX_KUBERNETES_STATE", "/var/lib/airflow-sandbox-kubernetes")
+
+
+def kubernetes_unavailable(reason: str):
+    """Skip (or, with SANDBOX_REQUIRE_KUBERNETES set, fail) a test that needs the Kubernetes cluster."""
+    missing_machinery(
+        reason,
+        required_by="SANDBOX_REQUIRE_KUBERNETES",
+        prepare="bash scripts/kubernetes/prepare.sh",
+        what="the Kubernetes backend",
+    )
+
+
+@pytest.fixture(scope="session")
+def kubernetes_cluster():
+    """
+    The test cluster, as the admin's ``CoreV1Api`` (a client of its own configuration, so nothing
+    global changes); skips, or fails under SANDBOX_REQUIRE_KUBERNETES, when it does not answer.
+    """
+    kubernetes = pytest.importorskip("kubernetes")
+    path = os.path.join(KUBERNETES_STATE, "admin.kubeconfig")
+    if not os.path.exists(path):
+        kubernetes_unavailable(f"there is no {path}")
+    configuration = kubernetes.client.Configuration()
+    kubernetes.config.load_kube_config(path, client_configuration=configuration)
+    api = kubernetes.client.CoreV1Api(kubernetes.client.ApiClient(configuration))
+    try:
+        nodes = api.list_node(_request_timeout=10).items
+    except Exception as err:
+        kubernetes_unavailable(f"the cluster of {path} does not answer ({err})")
+    ready = [
+        n.metadata.name
+        for n in nodes
+        if any(c.type == "Ready" and c.status == "True" for c in (n.status.conditions or []))
+    ]
+    if not ready:
+        kubernetes_unavailable(f"the cluster of {path} has no Ready node")
+    yield api
+    api.api_client.close()
