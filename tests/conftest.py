@@ -18,6 +18,7 @@ os.environ.setdefault(
 )
 
 import json  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 import pytest  # noqa: E402
@@ -75,6 +76,39 @@ def _sandbox_can_reach_tmp_path(request):
             if str(folder) in ("/", tempfile.gettempdir()):
                 break
             folder.chmod(folder.stat().st_mode | 0o111)
+
+
+# -- deep trees ----------------------------------------------------------------------------------------
+
+
+def deep_tree(top: str, depth: int) -> None:
+    """A tree ``depth`` directories deep (``top/d/d/.../d/bottom``), built through descriptors (its paths are far past PATH_MAX)."""
+    os.mkdir(top)
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        with open(os.open("bottom", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd), "w") as f:
+            f.write("x")
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def fast_dir(tmp_path):
+    """A tmpfs of its own where the worker may mount one: removing thousands of directories from this host's disk is slow."""
+    where = tmp_path / "fast"
+    where.mkdir()
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "t", str(where)]).returncode == 0
+    )
+    yield where
+    if mounted:
+        subprocess.run(["umount", "-l", str(where)], check=True)
 
 
 # -- what a test needs from the machine ------------------------------------------------------------------

@@ -255,6 +255,42 @@ def test_file_inputs_that_cannot_be_staged_are_refused_before_provisioning(hook,
     assert hook.provisioned == []
 
 
+def _bad_member(folder, tmp_path, monkeypatch, bad: str) -> str:
+    """Put one bad member below ``folder/sub``; return what the refusal says."""
+    if bad == "fifo":
+        os.mkfifo(folder / "sub" / "pipe")
+        return r"in/sub/pipe is not a regular file"
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not the directory's")
+    (folder / "sub" / "leak").symlink_to(outside)
+    if bad == "link-outside-file-input-dirs":
+        monkeypatch.setenv("AIRFLOW__SANDBOX__FILE_INPUT_DIRS", str(folder))
+    return r"in/sub/leak is a symbolic link to .*outside.txt, outside the directory"
+
+
+@pytest.mark.parametrize("bad", ["fifo", "link-outside-the-directory", "link-outside-file-input-dirs"])
+def test_bad_members_of_a_directory_input_are_refused_before_provisioning(hook, tmp_path, monkeypatch, bad):
+    folder = tmp_path / "in"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "ok.txt").write_text("fine")
+    message = _bad_member(folder, tmp_path, monkeypatch, bad)
+    with pytest.raises(SandboxTerminalError, match=message):
+        run_operator(hook, inputs={"data": folder.as_uri() + "/"})
+    assert hook.provisioned == []
+    if (tmp_path / "state").exists():  # the local backend's state root: no sandbox directory either
+        assert os.listdir(tmp_path / "state") == []
+
+
+def test_a_directory_input_without_bad_members_provisions_once(tmp_path):
+    """The control of the test above: the same directory, with nothing bad in it, is provisioned and staged."""
+    folder = tmp_path / "in"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "ok.txt").write_text("fine")
+    made = FakeSandboxHook(str(tmp_path / "fake"))
+    assert run_operator(made, inputs={"data": folder.as_uri() + "/"}, command="cat data/ok.txt")["stdout"] == "fine"
+    assert len([call for call in made.calls if call[0] == "provision"]) == 1
+
+
 def test_the_toolset_refuses_a_bad_destination_when_the_run_starts(hook, out):
     pytest.importorskip("pydantic_ai")
     from sandbox_provider.toolsets import SandboxToolset

@@ -1,4 +1,7 @@
-"""file:// inputs: symlinks are followed, as the worker reads them; [sandbox] file_input_dirs confines them."""
+"""
+file:// inputs: symlinks are followed, as the worker reads them; [sandbox] file_input_dirs confines them;
+inside a directory input, a link is followed only to a file inside that directory.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +9,24 @@ import os
 
 import pytest
 
+from conftest import requires_bwrap
 from fake_hook import FakeSandboxHook
 from sandbox_provider.engine import storage
-from sandbox_provider.sandbox import SandboxSession, SandboxTerminalError
+from sandbox_provider.engine.transfer import stage_entries
+from sandbox_provider.sandbox import SandboxError, SandboxSession, SandboxTerminalError
 
 
-@pytest.fixture
-def hook(tmp_path):
-    made = FakeSandboxHook(str(tmp_path / "fake"))
+def counting(made):
+    """``made``, noting in ``made.provisioned`` the name of each sandbox it provisions."""
     made.provisioned = []
     real = made._provision
     made._provision = lambda request: made.provisioned.append(request.name) or real(request)
     return made
+
+
+@pytest.fixture
+def hook(tmp_path):
+    return counting(FakeSandboxHook(str(tmp_path / "fake")))
 
 
 @pytest.fixture
@@ -90,8 +99,8 @@ def test_a_link_swapped_after_the_check_is_caught_on_the_open_file(tree, monkeyp
     monkeypatch.setenv("AIRFLOW__SANDBOX__FILE_INPUT_DIRS", str(allowed))
     real = storage.resolve_file_input
 
-    def checked_then_swapped(local, url, what):
-        real(local, url, what)  # passes: inside the allowed directory
+    def checked_then_swapped(local, url, what, **kwargs):
+        real(local, url, what, **kwargs)  # passes: inside the allowed directory
         return str(outside / "secret.txt")  # ...but by the time it is opened it leads outside
 
     monkeypatch.setattr(storage, "resolve_file_input", checked_then_swapped)
@@ -104,3 +113,120 @@ def test_the_option_is_declared_to_airflow():
 
     option = get_provider_info()["config"]["sandbox"]["options"]["file_input_dirs"]
     assert option["default"] == "" and "symlink" in option["description"]
+
+
+# -- links inside a directory input (issue 23, item 4) ---------------------------------------------------
+
+
+@pytest.fixture(
+    params=["fake", pytest.param("local", marks=requires_bwrap), pytest.param("docker", marks=pytest.mark.docker)]
+)
+def any_hook(request, tmp_path):
+    """Each backend that stages the worker's files here, counting what it provisions."""
+    if request.param == "fake":
+        return counting(FakeSandboxHook(str(tmp_path / "fake")))
+    if request.param == "local":
+        from sandbox_provider.hooks.local import LocalSandboxHook
+
+        return counting(LocalSandboxHook(state_root=str(tmp_path / "state")))
+    from sandbox_provider.hooks.docker import DockerSandboxHook
+
+    return counting(DockerSandboxHook(request.getfixturevalue("docker_conn"), pull="never"))
+
+
+@pytest.fixture
+def directory_with_a_leak(tmp_path):
+    """``dir/`` holding a file, a link to it, and ``leak``: a link to a root-only file outside the directory."""
+    secret = tmp_path / "root-only.txt"
+    secret.write_text("the worker's secret\n")
+    secret.chmod(0o600)
+    folder = tmp_path / "dir"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "data.csv").write_text("inside\n")
+    (folder / "sub" / "alias").symlink_to("../data.csv")
+    (folder / "leak").symlink_to(secret)
+    return folder, secret
+
+
+def test_a_link_in_a_directory_input_leading_outside_it_is_refused(any_hook, directory_with_a_leak):
+    folder, secret = directory_with_a_leak
+    # Positive controls: the worker reads the secret through the link, and the secret named as an input
+    # of its own (the author's choice) is staged.
+    assert (folder / "leak").read_text() == "the worker's secret\n"
+    assert staged(any_hook, secret.as_uri()) == "the worker's secret\n"
+    any_hook.provisioned.clear()
+    with pytest.raises(
+        SandboxTerminalError, match=r"dir/leak is a symbolic link to .*root-only.txt, outside the directory"
+    ):
+        with SandboxSession(any_hook, inputs={"in": folder.as_uri() + "/"}) as session:
+            session.run("cat in/leak", timeout=60, max_output_bytes=999)
+    assert any_hook.provisioned == []  # refused before provisioning
+
+
+def test_a_link_leading_inside_the_directory_input_is_followed(any_hook, directory_with_a_leak):
+    folder, _ = directory_with_a_leak
+    (folder / "leak").unlink()
+    with SandboxSession(any_hook, inputs={"in": folder.as_uri() + "/"}) as session:
+        result = session.run("cat in/sub/alias; test -L in/sub/alias || echo plain", timeout=60, max_output_bytes=999)
+    assert result.stdout == "inside\nplain\n"
+
+
+def test_a_link_retargeted_outside_after_the_walk_is_caught_when_opened(directory_with_a_leak):
+    folder, secret = directory_with_a_leak
+    (folder / "leak").unlink()
+    entries = {entry.path: entry for entry in stage_entries({}, {"in": folder.as_uri() + "/"})}
+    (folder / "sub" / "alias").unlink()
+    (folder / "sub" / "alias").symlink_to(secret)
+    # Positive control: the link now reaches the secret.
+    assert (folder / "sub" / "alias").read_text() == "the worker's secret\n"
+    with pytest.raises(SandboxTerminalError, match="outside the directory"):
+        entries["in/sub/alias"].open()
+
+
+def test_a_plain_file_swapped_for_a_link_after_the_walk_is_not_read_through_it(directory_with_a_leak):
+    folder, secret = directory_with_a_leak
+    (folder / "leak").unlink()
+    entries = {entry.path: entry for entry in stage_entries({}, {"in": folder.as_uri() + "/"})}
+    (folder / "data.csv").unlink()
+    (folder / "data.csv").symlink_to(secret)
+    # Positive control: by path, the name now reads the secret.
+    assert (folder / "data.csv").read_text() == "the worker's secret\n"
+    with pytest.raises(SandboxError, match="in/data.csv|data.csv"):
+        entries["in/data.csv"].open()
+
+
+def test_what_is_staged_is_the_listing_checked_before_provisioning(hook, tmp_path):
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    (folder / "listed.txt").write_text("listed\n")
+    with SandboxSession(hook, inputs={"in": folder.as_uri() + "/"}) as session:
+        assert hook.provisioned == []
+        (folder / "later.txt").write_text("added after the check\n")
+        os.mkfifo(folder / "pipe")  # nor is a bad member added later met
+        result = session.run("ls in", timeout=30, max_output_bytes=999)
+    assert result.stdout == "listed.txt\n" and len(hook.provisioned) == 1
+
+
+@pytest.mark.parametrize("files", [5, 40], ids=["few", "many"])  # many: the local backend's own tar archives them
+def test_a_directory_swapped_for_a_link_after_the_walk_is_never_read_through(any_hook, tmp_path, files):
+    source = tmp_path / "src"
+    for i in range(files):
+        (source / f"d{i % 4}").mkdir(parents=True, exist_ok=True)
+        (source / f"d{i % 4}" / f"f{i}.txt").write_text(f"file {i}\n")
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "f0.txt").write_text("SECRET\n")  # as long as the file it stands in for: read whole if read
+    (hidden / "f0.txt").chmod(0o600)
+    entries = stage_entries({}, {"in": f"file://{source}/"})
+    (source / "d0").rename(tmp_path / "d0-moved")
+    (source / "d0").symlink_to(hidden)
+    # Positive control: by path, the walked name now reads the secret.
+    assert (source / "d0" / "f0.txt").read_text() == "SECRET\n"
+    handle = any_hook.create()
+    try:
+        with pytest.raises(SandboxError, match="d0"):
+            any_hook.import_batch(handle, entries)
+        inside = any_hook.run_command(handle, "cat in/d0/f0.txt in/d1/f1.txt", timeout=60, max_output_bytes=999)
+        assert "SECRET" not in inside.stdout
+    finally:
+        any_hook.destroy(handle)

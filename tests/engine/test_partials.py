@@ -1,13 +1,19 @@
-"""Partial files of an export are named for the task instance and try, and swept (issue 12, item 3)."""
+"""
+Partial files of an export are named for the task instance and try, and swept (issue 12, item 3), however
+deep (issue 23, item 6).
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import pytest
 
+from conftest import deep_tree
 from fake_hook import FakeSandboxHook
+from sandbox_provider.engine.publish import remove_partial
 from sandbox_provider.engine.transfer import export_files, partial_tag, remove_stale_partials
 from sandbox_provider.sandbox import SandboxSession
 
@@ -90,3 +96,38 @@ def test_cleanup_entry_point_removes_old_partials_only(tmp_path):
 def test_cleanup_entry_point_refuses_a_path_that_is_no_url():
     with pytest.raises(ValueError, match="storage URL"):
         remove_stale_partials("/tmp/out")
+
+
+# -- deep leftovers (issue 23, item 6) ---------------------------------------------------------------------
+
+
+def _sweep(how: str, hook, folder) -> None:
+    if how == "retry":  # the next try's export of that destination
+        handle = hook.create()
+        hook.run_command(handle, "mkdir -p out && echo A > out/a", timeout=30, max_output_bytes=9)
+        export_files(hook, handle, {"out": (folder / "out").as_uri() + "/"}, stamps=STAMPS)
+    elif how == "stale":
+        assert remove_stale_partials(folder.as_uri() + "/", older_than=0) == [f"file://{folder}/{LEFT}"]
+    else:  # what a failed export calls on each of its partial copies
+        from airflow.sdk import ObjectStoragePath
+
+        assert remove_partial(ObjectStoragePath((folder / LEFT).as_uri()))
+
+
+LEFT = f"out.airflow-{partial_tag(STAMPS)[0]}-1.partial"
+
+
+@pytest.mark.parametrize("how", ["retry", "stale", "failed-export"])
+def test_a_3000_deep_partial_is_removed_by_every_sweep(hook, fast_dir, how):
+    deep_tree(str(fast_dir / "control"), 3000)
+    # Positive control: the standard library's recursive removal gives up on such a tree.
+    with pytest.raises((RecursionError, OSError)):
+        shutil.rmtree(fast_dir / "control")
+    assert (fast_dir / "control" / "d").is_dir()
+    shutil.move(fast_dir / "control", fast_dir / LEFT)
+    (fast_dir / "victim").mkdir()
+    (fast_dir / "victim" / "keep").write_text("x")
+    os.symlink(fast_dir / "victim", fast_dir / LEFT / "d" / "link")  # removed, never followed
+    _sweep(how, hook, fast_dir)
+    assert not os.path.lexists(fast_dir / LEFT)
+    assert (fast_dir / "victim" / "keep").read_text() == "x"

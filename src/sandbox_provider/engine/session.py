@@ -199,7 +199,9 @@ class SandboxSession:
         filesystem for each URL's scheme exists (and its connection resolves); no destination is a
         directory, device, pipe or socket, or lies below a file, or is one file with another once symlinks
         are followed; each ``file://`` input exists, is a regular file, and lies in ``[sandbox]
-        file_input_dirs`` when that is set. Runs once; :meth:`ensure` runs it if :meth:`open` did not.
+        file_input_dirs`` when that is set; every member of a directory input is listed and checked the
+        same way (:func:`~sandbox_provider.engine.transfer.stage_entries`), and what is staged later is
+        that list. Runs once; :meth:`ensure` runs it if :meth:`open` did not.
 
         :raises ValueError: naming the entry to fix.
         :raises SandboxTerminalError: for a destination or input the transfer cannot use.
@@ -209,6 +211,12 @@ class SandboxSession:
         export_targets(self.exports, conn_id=self.export_conn_id)
         for path, url in self.inputs.items():
             check_input(url, self.input_conn_id, f"inputs[{path!r}]")
+        try:
+            self._pending = stage_entries(self.files, self.inputs, conn_id=self.input_conn_id)
+        except SandboxTerminalError:
+            raise
+        except SandboxError as err:
+            raise SandboxTerminalError(f"Could not read the inputs to stage: {err}") from err
         self._storage_checked = True
 
     def ensure(self, *, defer: bool = False) -> str:
@@ -242,10 +250,6 @@ class SandboxSession:
                 self._teardown(handle)
                 raise SandboxTerminalError(f"The session was closed while sandbox {handle} was being provisioned.")
             self._watch_supervisor()
-            try:
-                self._pending = stage_entries(self.files, self.inputs, conn_id=self.input_conn_id)
-            except SandboxError as err:
-                raise SandboxTerminalError(f"Could not stage the inputs of sandbox {handle}: {err}") from err
             if not defer:
                 self._stage_pending(handle)
             return handle

@@ -343,14 +343,18 @@ def _within(real: str, dirs: list[str]) -> bool:
     return any(real == d or real.startswith(d.rstrip("/") + "/") for d in dirs)
 
 
-def resolve_file_input(local: str, url: str, what: str) -> str:
+def resolve_file_input(local: str, url: str, what: str, *, inside: str | None = None) -> str:
     """
     The real path of a ``file://`` input: every symlink on the way followed, as the worker reads it.
 
-    :raises SandboxTerminalError: when it is missing, not a regular file, or (with ``[sandbox]
-        file_input_dirs`` set) outside the allowed directories once symlinks are followed.
+    :param inside: the real path of the directory input ``local`` was found in: what it leads to must
+        lie in there too (a link in a directory the author chose is not a choice of the author's).
+    :raises SandboxTerminalError: when it is missing, not a regular file, outside ``inside``, or (with
+        ``[sandbox] file_input_dirs`` set) outside the allowed directories once symlinks are followed.
     """
     real = os.path.realpath(local)
+    if inside is not None and not _within(real, [inside]):
+        raise SandboxTerminalError(_outside(url, real, inside))
     dirs = file_input_dirs()
     if dirs is not None and not _within(real, dirs):
         shown = url if real == local else f"{url} (which leads to {real})"
@@ -370,20 +374,28 @@ def resolve_file_input(local: str, url: str, what: str) -> str:
     return real
 
 
+def _outside(url: str, real: str, inside: str) -> str:
+    return (
+        f"Input {url} is a symbolic link to {real}, outside the directory {inside} it is staged from. A directory "
+        "input stages only what lies inside it; copy the file in, or stage it as an input of its own."
+    )
+
+
 def check_input_source(source: ObjectStoragePath, url: str, what: str) -> None:
     """Refuse, before anything is provisioned, a ``file://`` input that cannot be staged."""
     if is_local(source):
         resolve_file_input(source.path, url, what)
 
 
-def open_file_input(local: str, url: str, what: str):
+def open_file_input(local: str, url: str, what: str, *, inside: str | None = None):
     """
     Open a ``file://`` input for reading, following symlinks, and check again, on the open file, that
-    it is a regular file inside the allowed directories (a link swapped after the first check is caught).
+    it is a regular file inside the allowed directories and ``inside`` (see :func:`resolve_file_input`):
+    a link swapped after the first check is caught.
 
     :returns: a binary file object.
     """
-    real = resolve_file_input(local, url, what)
+    real = resolve_file_input(local, url, what, inside=inside)
     fd = os.open(real, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
     try:
         info = os.fstat(fd)
@@ -391,6 +403,8 @@ def open_file_input(local: str, url: str, what: str):
             raise SandboxTerminalError(f"Input {url} is not a regular file; stage a file instead.")
         dirs = file_input_dirs()
         opened = os.readlink(f"/proc/self/fd/{fd}")
+        if inside is not None and not _within(opened, [inside]):
+            raise SandboxTerminalError(_outside(url, opened, inside))
         if dirs is not None and not _within(opened, dirs):
             raise SandboxTerminalError(
                 f"{what} is {url}, which changed while it was opened and now leads to {opened}, outside [sandbox] "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import gc
 import hashlib
@@ -13,12 +14,15 @@ import posixpath
 import re
 import secrets
 import stat
+import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
 from sandbox_provider.engine.publish import PartialSink, Staged, publish, remove_partial
+from sandbox_provider.engine.publish import check as check_publish
 from sandbox_provider.engine.storage import (
     check_export_target,
     check_input_source,
@@ -33,6 +37,7 @@ from sandbox_provider.engine.storage import (
 )
 from sandbox_provider.sandbox.batch import ExportLimits, ExportRequest, ImportEntry, check_member_name, is_glob
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
+from sandbox_provider.sandbox.nofollow import Descent, LinkInTheWay, open_directory
 from sandbox_provider.sandbox.output import format_size
 from sandbox_provider.sandbox.spec import DAG_ID_TAG, MAP_INDEX_TAG, RUN_ID_TAG, TASK_ID_TAG, TRY_NUMBER_TAG
 
@@ -166,10 +171,12 @@ def stage_entries(
     every file below it staged under the sandbox path). Sources are opened only when copied.
 
     A ``file://`` input is read with the worker's permissions, following symlinks (the Dag author
-    chose the URL), from inside the directories ``[sandbox] file_input_dirs`` allows when that is set;
-    each file of a directory input is checked the same way.
+    chose the URL), from inside the directories ``[sandbox] file_input_dirs`` allows when that is set.
+    Every member of a ``file://`` directory input is checked here, so the session calls this before
+    provisioning: regular files only, and a symlink among them only when it leads to a regular file
+    inside that directory (the author chose the directory, not where links in it lead).
 
-    :raises SandboxTerminalError: for a ``file://`` input that is missing or not allowed.
+    :raises SandboxTerminalError: for a ``file://`` input, or a member of one, that is missing or not allowed.
     :raises SandboxError: for a source whose size cannot be read.
     """
     entries: list[ImportEntry] = []
@@ -199,13 +206,14 @@ def _input_entries(path: str, url: str, conn_id: str | None) -> list[ImportEntry
         return _directory_entries(path, url, source, what)
     if is_local(source):
         real = resolve_file_input(source.path, url, what)
-        return [_local_entry(path, source.path, real, url, what)]
+        return [_local_entry(path, source.path, real, url, what, None)]
     size = int(source.fs.info(source.path)["size"])
     return [ImportEntry(path, size, lambda: source.open("rb"))]
 
 
-def _local_entry(path: str, local: str, real: str, url: str, what: str) -> ImportEntry:
-    return ImportEntry(path, os.stat(real).st_size, lambda: open_file_input(local, url, what), local_path=real)
+def _local_entry(path: str, local: str, real: str, url: str, what: str, inside: str | None) -> ImportEntry:
+    opener = functools.partial(open_file_input, local, url, what, inside=inside)
+    return ImportEntry(path, os.stat(real).st_size, opener, local_path=real)
 
 
 def _directory_entries(path: str, url: str, source: ObjectStoragePath, what: str) -> list[ImportEntry]:
@@ -232,11 +240,12 @@ def _directory_entries(path: str, url: str, source: ObjectStoragePath, what: str
 def _walk_local(top: str, rel: str, path: str, url: str, what: str, entries: list[ImportEntry]) -> None:
     """
     The files below ``top/rel``: a plain file lies inside the checked (real) ``top``, so it needs no
-    check of its own and opens without following links; a symlink is resolved and checked like any
-    ``file://`` input. Symlinks to directories are not followed. (Names are joined by hand: this
-    runs once per file of trees of many thousands.)
+    check of its own and opens without following links; a symlink is followed only to a regular file
+    inside ``top`` (checked again when it is opened), and refused otherwise, like anything else that
+    is not a regular file. (Names are joined by hand: this runs once per file of trees of many thousands.)
     """
     walked = (top, path)
+    walked_files = _WalkedFiles(top, url)
     under = "" if path == "" else path if path.endswith("/") else path + "/"
     levels = [(rel + "/" if rel else "", iter(_listing(os.path.join(top, rel) if rel else top)))]
     while levels:
@@ -250,11 +259,11 @@ def _walk_local(top: str, rel: str, path: str, url: str, what: str, entries: lis
             levels.append((name + "/", iter(_listing(item.path))))
         elif item.is_file(follow_symlinks=False):
             size = item.stat(follow_symlinks=False).st_size
-            opener = functools.partial(_open_nofollow, item.path, url, name)
+            opener = functools.partial(walked_files.open, name)
             entries.append(ImportEntry(under + name, size, opener, item.path, walked))
         elif item.is_symlink():
-            real = resolve_file_input(item.path, url + name, what)
-            entries.append(_local_entry(under + name, item.path, real, url + name, what))
+            real = resolve_file_input(item.path, url + name, what, inside=top)
+            entries.append(_local_entry(under + name, item.path, real, url + name, what, top))
         else:
             raise SandboxTerminalError(f"{what}: {url + name} is not a regular file; stage regular files only.")
 
@@ -280,17 +289,46 @@ def _listing(directory: str) -> list[os.DirEntry[str]]:
         return sorted(listing, key=lambda e: e.name)
 
 
-def _open_nofollow(local: str, url: str, name: str) -> IO[bytes]:
-    """Open the walked plain file ``local`` (shown as ``url + name``) without following a link put there since."""
-    try:
-        fd = os.open(local, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
-    except OSError as err:
-        raise SandboxError(f"Could not open input {url + name}: {err.strerror}") from err
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise SandboxError(f"Input {url + name} changed into something that is not a regular file; stage files only.")
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb")
+class _WalkedFiles:
+    """
+    Opens the plain files one walk found below ``top`` (shown as ``url + name``) through descriptors
+    from ``top``, so a link put since the walk on a file's way (a directory swapped for one) or at
+    its name is not followed. One descent serves them all: taken in walk order, each directory is
+    opened once; it is closed when the last opener goes.
+    """
+
+    def __init__(self, top: str, url: str) -> None:
+        self.top = top
+        self.url = url
+        self._lock = threading.Lock()
+        self._descent: Descent | None = None
+
+    def open(self, name: str) -> IO[bytes]:
+        *parents, base = name.split("/")
+        try:
+            with self._lock:
+                if self._descent is None:
+                    self._descent = Descent(open_directory(self.top), own=True)
+                    weakref.finalize(self, self._descent.close)
+                where = self._descent.to(parents)
+                if where is None:
+                    raise FileNotFoundError(errno.ENOENT, "No such file or directory", name)
+                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+                fd = os.open(base, flags, dir_fd=where)
+        except LinkInTheWay as err:
+            raise SandboxError(
+                f"Could not open input {self.url + name}: {self.url}{err.filename} became a symbolic link after the "
+                "directory was listed."
+            ) from err
+        except OSError as err:
+            raise SandboxError(f"Could not open input {self.url + name}: {err.strerror}") from err
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise SandboxError(
+                f"Input {self.url + name} changed into something that is not a regular file; stage files only."
+            )
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
 
 
 def _opener(fs: Any, key: str) -> Any:
@@ -385,8 +423,12 @@ def _partial_of(target: ObjectStoragePath, tag: tuple[str, int]) -> ObjectStorag
     return target.parent / f"{target.name}.airflow-{key}-{try_number}.partial"
 
 
-def _sweep_earlier_tries(target: ObjectStoragePath, tag: tuple[str, int]) -> None:
-    """Remove the ``.partial`` siblings of ``target`` that earlier tries of this task instance left."""
+def _sweep_leftovers(target: ObjectStoragePath, tag: tuple[str, int]) -> None:
+    """
+    Remove the ``.partial`` siblings of ``target`` that earlier tries of this task instance left, and
+    one of this try's own name (a worker that died in it): the copies are then made new, never into
+    whatever is already there.
+    """
     key, try_number = tag
     try:
         siblings = list(target.parent.iterdir()) if target.parent.exists() else []
@@ -395,7 +437,7 @@ def _sweep_earlier_tries(target: ObjectStoragePath, tag: tuple[str, int]) -> Non
         return
     for sibling in siblings:
         found = _PARTIAL.fullmatch(sibling.name)
-        if not found or found["name"] != target.name or found["key"] != key or int(found["try"]) >= try_number:
+        if not found or found["name"] != target.name or found["key"] != key or int(found["try"]) > try_number:
             continue
         if remove_partial(sibling):
             log.info("Removed %s, which try %s of this task left while exporting", sibling, found["try"])
@@ -515,10 +557,11 @@ def export_files(
     A URL ending in ``/`` is a directory: the sandbox path is then a directory (every file below it)
     or a glob (its matches). Every file is first copied to a ``.partial`` sibling of its destination
     (a ``.partial`` directory for a directory) named for the task instance and try
-    (``<name>.airflow-<key>-<try>.partial``), after removing those earlier tries of the same task
-    instance left there. Only when all copies succeeded are they moved into place
-    (:mod:`~sandbox_provider.engine.publish` says what that means for a directory). A failed copy
-    removes every staged copy and changes no destination.
+    (``<name>.airflow-<key>-<try>.partial``), made new after removing those earlier tries of the same
+    task instance (or a dead worker in this one) left there. Only when all copies succeeded are they
+    moved into place (:mod:`~sandbox_provider.engine.publish` says what that means for a directory,
+    and which links below a destination fail it). A failed copy removes every staged copy and changes
+    no destination.
 
     :param max_bytes: the largest file, in bytes; :param max_total_bytes: all files together.
     :param stamps: the trace stamps of the running task instance (Dag, run, task, map index, try),
@@ -536,11 +579,12 @@ def export_files(
             if is_local(entry.target):
                 # Only on local disk: on object storage a mkdir can create a bucket.
                 entry.target.parent.mkdir(parents=True, exist_ok=True)
-            _sweep_earlier_tries(entry.target, tag)
+            _sweep_leftovers(entry.target, tag)
         hook.export_batch(handle, requests, sink, limits=ExportLimits(max_bytes, max_total_bytes))
     except Exception as err:
         sink.close()
         raise _export_failure(err, staged, exports, hook, handle) from err
+    sink.close()
     files = sum(len(e.files) for e in staged)
     size = sum(e.size for e in staged)
     log.info(
@@ -581,6 +625,16 @@ def _export_failure(err: Exception, staged: list[Staged], exports: Mapping[str, 
 
 
 def _publish(staged: list[Staged]) -> list[ExportRecord]:
+    try:
+        for entry in staged:  # every entry, before the first file moves
+            check_publish(entry)
+    except Exception as err:
+        left = [str(e.partial) for e in staged if not remove_partial(e.partial)]
+        reason = str(err) if isinstance(err, SandboxError) else f"Could not look into {entry.url}: {err}."
+        message = f"{reason} Nothing was moved into place."
+        if left:
+            message += f" Left behind, to delete by hand: {', '.join(left)}."
+        raise SandboxTerminalError(message) from err
     done: list[ExportRecord] = []
     for entry in staged:
         try:
@@ -588,7 +642,8 @@ def _publish(staged: list[Staged]) -> list[ExportRecord]:
         except Exception as err:
             in_place = ", ".join(r.url for r in done) or "none"
             left = [str(e.partial) for e in staged[len(done) :] if not remove_partial(e.partial)]
-            message = f"Could not move the export into {entry.url}: {err}. Already in place: {in_place}."
+            reason = str(err).rstrip(".")
+            message = f"Could not move the export into {entry.url}: {reason}. Already in place: {in_place}."
             if left:
                 message += f" Left behind, to delete by hand: {', '.join(left)}."
             raise SandboxTerminalError(message) from err

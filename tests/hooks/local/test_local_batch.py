@@ -22,20 +22,25 @@ pytestmark = requires_bwrap
 
 @pytest.fixture
 def counted(tmp_path):
-    """A hook whose bubblewrap is a script that counts its launches, then runs the real one."""
+    """
+    A hook whose bubblewrap is a script that counts its sandbox launches, then runs the real one; the
+    worker's own tar reading a walked directory (confined by bubblewrap to it) is noted apart.
+    """
     real = next(p for p in (os.path.join(d, "bwrap") for d in os.environ["PATH"].split(":")) if os.access(p, os.X_OK))
     log = tmp_path / "launches"
     log.write_text("")
     log.chmod(0o666)  # a root worker's launches run the script as the sandbox's user
     wrapper = tmp_path / "bin" / "bwrap"
     wrapper.parent.mkdir()
-    wrapper.write_text(f'#!/bin/sh\necho x >> {log}\nexec {real} "$@"\n')
+    wrapper.write_text(
+        f'#!/bin/sh\ncase " $* " in *" /walked "*) echo tar ;; *) echo x ;; esac >> {log}\nexec {real} "$@"\n'
+    )
     wrapper.chmod(0o755)
     os.chmod(tmp_path / "bin", 0o755)
     hook = LocalSandboxHook(state_root=str(tmp_path / "state"), bwrap_path=str(wrapper))
 
-    def launches() -> int:
-        return len(log.read_text().splitlines()) if log.exists() else 0
+    def launches(kind: str = "x") -> int:
+        return log.read_text().splitlines().count(kind) if log.exists() else 0
 
     return hook, launches
 
@@ -75,6 +80,7 @@ def test_directories_move_in_one_launch_each_way(counted, tmp_path):
         assert result.ok, result.stderr
         assert result.stdout.split("\n")[:3] == ["301", "X = 1", "onefile 0"]
     assert launches() - before == 2  # staging with the command, then one export
+    assert launches("tar") == 1  # the walked directory read by the worker's tar, confined to it
     assert sorted(p.name for p in glob_out.iterdir()) == ["a.csv", "b.csv"]
     assert (out / "d3" / "f10.txt").read_text() == "file 10"
     assert sum(1 for _ in out.rglob("*.txt")) == 301

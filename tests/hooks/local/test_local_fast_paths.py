@@ -21,7 +21,7 @@ from sandbox_provider.hooks.local import LocalSandboxHook
 from sandbox_provider.hooks.local import files as _local_files
 from sandbox_provider.hooks.local import transfer as _local_transfer
 from sandbox_provider.sandbox import SandboxSpec
-from sandbox_provider.sandbox.errors import SandboxTerminalError
+from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 
 pytestmark = requires_bwrap
 
@@ -65,7 +65,7 @@ def test_a_walked_directory_goes_to_the_workers_tar_and_lands_whole(hook, sandbo
     _tree(source, 60, odd)
     calls = []
     real = _local_transfer.archive_natively
-    monkeypatch.setattr(_local_transfer, "archive_natively", lambda *a: calls.append(len(a[1])) or real(*a))
+    monkeypatch.setattr(_local_transfer, "archive_natively", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
     special = "a&b\\c,d"  # characters the transform must escape, and its first delimiter
     unsayable = "we&ird\\dir,|#:;@%!~"  # every delimiter the transform could use: tarfile headers instead
     for target in ("plain", special, unsayable):
@@ -251,6 +251,37 @@ def test_the_check_after_an_export_refuses_what_a_hostile_launch_could_leave(tmp
     os.chmod(top / "tool", 0o6777)
     assert _local_export.adopt([str(top)], [request], limits) == [{"tool": 1}]
     assert stat.S_IMODE((top / "tool").stat().st_mode) == 0o666 & ~_umask()
+
+
+def test_a_file_swapped_for_a_link_while_adopted_is_refused_not_followed(tmp_path, monkeypatch):
+    """The mode (and owner) the worker gives an exported file never lands on what a link swapped in leads to."""
+    from sandbox_provider.hooks.local import export as _local_export
+    from sandbox_provider.sandbox.batch import ExportBudget, ExportLimits, ExportRequest
+
+    victim = tmp_path / "victim"
+    victim.write_text("the worker's")
+    victim.chmod(0o604)
+    top = tmp_path / "partial"
+    top.mkdir()
+    (top / "f").write_text("x")
+    (top / "f").chmod(0o604)
+    real = ExportBudget.admit
+
+    def swapped_while_admitted(budget, request, name, size):
+        (top / name).unlink()  # listed as a regular file; a link by the time it is made the worker's
+        (top / name).symlink_to(victim)
+        return real(budget, request, name, size)
+
+    # Positive control: a chmod by name, as the adoption did it, changes the victim's mode.
+    (tmp_path / "control").symlink_to(victim)
+    os.chmod(tmp_path / "control", 0o644)
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o644
+    victim.chmod(0o604)
+    monkeypatch.setattr(ExportBudget, "admit", swapped_while_admitted)
+    limits = ExportLimits(max_file_bytes=1 << 20, max_total_bytes=1 << 20)
+    with pytest.raises(SandboxError, match="'d/f' changed into something that is not a regular file"):
+        _local_export.adopt([str(top)], [ExportRequest("d", "tree")], limits)
+    assert stat.S_IMODE(victim.stat().st_mode) == 0o604
 
 
 def _umask() -> int:

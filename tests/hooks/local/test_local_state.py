@@ -1,32 +1,14 @@
-"""Crash-safe sandbox directories: atomic creation, destroy marks, iterative removal nothing inside can block."""
+"""Crash-safe sandbox directories: atomic creation, destroy marks, the workspace removed last (removal itself: test_nofollow)."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 
 import pytest
 
 from sandbox_provider.hooks.local import state
 
 HANDLE = "airflow-sandbox-0123456789ab"
-
-
-def _deep_tree(top: str, depth: int) -> None:
-    """A tree ``depth`` directories deep, built through descriptors (its paths are far past PATH_MAX)."""
-    os.mkdir(top)
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        for _ in range(depth):
-            os.mkdir("d", dir_fd=fd)
-            child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
-            os.close(fd)
-            fd = child
-        with open(os.open("bottom", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd), "w") as f:
-            f.write("x")
-    finally:
-        os.close(fd)
 
 
 def test_building_renames_into_place_or_leaves_nothing(tmp_path):
@@ -72,74 +54,6 @@ def test_mark_destroyed_and_classify(tmp_path):
     assert list(state.classify(str(tmp_path))) == [("destroyed", HANDLE, trash)]
     state.remove_sandbox_dir(trash)
     assert state.mark_destroyed(str(tmp_path), HANDLE) is None
-
-
-@pytest.fixture
-def fast_dir(tmp_path):
-    """A tmpfs of its own where the worker may mount one: removing 5,000 directories from this host's disk is slow."""
-    where = tmp_path / "fast"
-    where.mkdir()
-    mounted = (
-        os.geteuid() == 0
-        and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "t", str(where)]).returncode == 0
-    )
-    yield where
-    if mounted:
-        subprocess.run(["umount", "-l", str(where)], check=True)
-
-
-def test_a_5000_deep_tree_that_rmtree_cannot_remove(fast_dir):
-    top = str(fast_dir / "deep")
-    _deep_tree(top, 5000)
-    # Positive control: the standard library's recursive removal gives up on it.
-    with pytest.raises((RecursionError, OSError)):
-        shutil.rmtree(top)
-    assert os.path.isdir(top)
-    state.remove_tree(top)
-    assert not os.path.exists(top)
-
-
-def test_names_modes_and_flags_set_inside_do_not_block_removal(tmp_path):
-    outside = tmp_path / "outside.txt"
-    outside.write_text("keep me")
-    top = tmp_path / "box"
-    (top / "a" / "b").mkdir(parents=True)
-    for name in ("-rf", "with\nnewline", " ", "*", "..."):
-        (top / "a" / name).write_text("x")
-    (top / "a" / "link-out").symlink_to(outside)
-    (top / "a" / "dir-link-out").symlink_to(tmp_path)
-    os.mkfifo(top / "a" / "fifo")
-    for i in range(2000):
-        (top / "a" / "b" / f"f{i}").write_text("")
-    (top / "a" / "b").chmod(0)
-    (top / "a").chmod(0o500)
-    if os.geteuid() == 0 and shutil.which("chattr"):
-        (top / "sealed").write_text("x")
-        (top / "log").write_text("x")
-        subprocess.run(["chattr", "+i", str(top / "sealed")], check=True)
-        subprocess.run(["chattr", "+a", str(top / "log")], check=True)
-        # Positive control: the flags do block a plain unlink.
-        with pytest.raises(PermissionError):
-            os.unlink(top / "sealed")
-    state.remove_tree(str(top))
-    assert not top.exists()
-    assert outside.read_text() == "keep me"
-
-
-def test_removal_never_leaves_its_file_system(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting needs a root worker")
-    top = tmp_path / "sandbox"
-    (top / "inner").mkdir(parents=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "t", str(top / "inner")], check=True)
-    try:
-        (top / "inner" / "kept").write_text("x")
-        with pytest.raises(OSError, match="mount point"):
-            state.remove_tree(str(top))
-        assert (top / "inner" / "kept").exists()
-    finally:
-        subprocess.run(["umount", str(top / "inner")], check=True)
-    state.remove_tree(str(top))
 
 
 def test_the_workspace_goes_last(tmp_path, monkeypatch):

@@ -25,16 +25,15 @@ import stat
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sandbox_provider.hooks.local import state
 from sandbox_provider.sandbox.batch import ExportBudget, ExportLimits, ExportRequest, joined_name
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError
 from sandbox_provider.sandbox.files import special_kind_of
+from sandbox_provider.sandbox.nofollow import DIR_FLAGS, remove_tree
 
 __all__ = ["MOUNT", "adopt", "check_caps", "local_directories", "prepare", "remove", "stream_caps"]
 
 #: Where a request's directory is bound in the export's launch: ``/.airflow-export/<index>``.
 MOUNT = "/.airflow-export"
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _LONGEST_NAME = 4095  # bytes of a relative name that a later rename can still take (PATH_MAX)
 
 
@@ -91,8 +90,12 @@ def prepare(directories: Sequence[str], uid: int | None) -> list[tuple[str, str]
         try:
             os.mkdir(directory, 0o700)
             binds.append((directory, f"{MOUNT}/{index}"))
-            if uid is not None:
-                os.chown(directory, uid, uid)
+            if uid is not None:  # through its descriptor: a link put in its place meanwhile is not followed
+                fd = os.open(directory, DIR_FLAGS)
+                try:
+                    os.fchown(fd, uid, uid)
+                finally:
+                    os.close(fd)
         except OSError as err:
             remove([made for made, _ in binds])  # the ones made so far: nothing is left half prepared
             raise SandboxError(f"Could not make the export directory {directory}: {err.strerror}") from err
@@ -103,7 +106,7 @@ def remove(directories: Sequence[str]) -> None:
     """Remove each directory and everything in it; what cannot be removed is left for the engine to name."""
     for directory in directories:
         try:
-            state.remove_tree(directory)
+            remove_tree(directory)
         except OSError:
             pass
 
@@ -136,7 +139,7 @@ def _adopt_tree(
     files: dict[str, int] = {}
     stack: list[tuple[str, int, list[str]]] = []
     try:
-        fd = _enter(os.open(top, _DIR_FLAGS), owner, modes[1])
+        fd = _enter(os.open(top, DIR_FLAGS), owner, modes[1])
         stack.append(("", fd, _adopt_level(fd, "", request, budget, owner, modes[0], files)))
         while stack:
             prefix, fd, subdirectories = stack[-1]
@@ -144,7 +147,7 @@ def _adopt_tree(
                 os.close(stack.pop()[1])
                 continue
             name = subdirectories.pop()
-            child = _enter(os.open(name, _DIR_FLAGS, dir_fd=fd), owner, modes[1])
+            child = _enter(os.open(name, DIR_FLAGS, dir_fd=fd), owner, modes[1])
             rel = prefix + name + "/"
             stack.append((rel, child, _adopt_level(child, rel, request, budget, owner, modes[0], files)))
     finally:
@@ -188,10 +191,8 @@ def _adopt_level(
         elif stat.S_ISREG(info.st_mode):
             budget.admit(request, rel, info.st_size)
             budget.total += info.st_size
-            if owner is not None:  # the kernel drops set-id bits on chown; the mode below drops the rest
-                os.chown(name, *owner, dir_fd=fd, follow_symlinks=False)
-            if info.st_mode & 0o7777 != file_mode:  # a regular file, and nothing else writes here now
-                os.chmod(name, file_mode, dir_fd=fd)
+            if owner is not None or info.st_mode & 0o7777 != file_mode:
+                _own_file(fd, name, owner, file_mode, joined_name(request, rel))
             files[rel] = info.st_size
         else:
             raise SandboxError(
@@ -199,6 +200,24 @@ def _adopt_level(
                 f"({_kind(info.st_mode)}); export regular files only."
             )
     return subdirectories
+
+
+def _own_file(directory: int, name: str, owner: tuple[int, int] | None, mode: int, shown: str) -> None:
+    """
+    Give the regular file ``name`` to ``owner`` (the kernel drops set-id bits on chown) and ``mode``,
+    through an ``O_PATH`` descriptor of it, so a link put at its name since it was listed is refused
+    rather than followed (``chmod`` by name would follow it).
+    """
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=directory)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SandboxError(f"{shown!r} changed into something that is not a regular file while it was checked.")
+        here = f"/proc/self/fd/{fd}"  # the file itself: the kernel's link to the open descriptor
+        if owner is not None:
+            os.chown(here, *owner)
+        os.chmod(here, mode)
+    finally:
+        os.close(fd)
 
 
 def _kind(mode: int) -> str:

@@ -47,6 +47,7 @@ class LocalFiles:
     """Mixin of ``LocalSandboxHook``: its file operations over ``_exec`` (see the module)."""
 
     _exec: Callable[..., RunOutcome]
+    _bwrap: Callable[[], str]
     check_handle: Callable[[str], str]
     _deadline: Callable[[str, float], float]
     uid_of: Callable[[str], int]
@@ -157,7 +158,7 @@ class LocalFiles:
         if not entries:
             return done
         single = len(entries) == 1
-        feed = transfer.ArchiveFeed(entries, archive=not single)
+        feed = transfer.ArchiveFeed(entries, archive=not single, bwrap=self._bwrap())
         if single:
             script = guest.shell_command("write.sh", "stdin", entries[0].path)
         else:
@@ -234,7 +235,7 @@ class LocalFiles:
             return self._exec(handle, ["/bin/sh", "-c", command], timeout=timeout, output=output)
         for entry in stage:
             check_path(entry.path)
-        feed = transfer.ArchiveFeed(stage, archive=True)
+        feed = transfer.ArchiveFeed(stage, archive=True, bwrap=self._bwrap())
         argv = ["/bin/sh", "-c", guest.program("stage.sh"), "stage.sh", command]
         outcome, error = transfer.run_with(
             lambda: self._exec(handle, argv, timeout=timeout, output=output, stdin_fd=feed.read_end),

@@ -23,11 +23,11 @@ from typing import Any
 
 from sandbox_provider.hooks.local import state
 from sandbox_provider.sandbox.hook import FILE_OP_TIMEOUT
+from sandbox_provider.sandbox.nofollow import DIR_FLAGS
 from sandbox_provider.sandbox.spec import check_byte_count, check_path
 
 __all__ = ["HostReads", "read_plain_file"]
 
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
@@ -59,13 +59,13 @@ def read_plain_file(workspace: str, workdir: str, path: str, *, uid: int, max_by
     if parts is None:
         return None
     try:
-        fd = os.open(workspace, _DIR)
+        fd = os.open(workspace, DIR_FLAGS)
     except OSError:
         return None
     try:
         for name in [".", *parts[:-1]]:
             # The first step checks the workspace itself.
-            child = os.open(name, _DIR, dir_fd=fd)
+            child = os.open(name, DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = child
             if not _owned(os.fstat(fd), uid, stat.S_ISDIR, stat.S_IXUSR):

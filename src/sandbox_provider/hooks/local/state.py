@@ -18,17 +18,15 @@ their namespace. A sandbox is built under its ``.creating-`` name and renamed in
 record written, so no sandbox ever exists without its stamps. A destroy first renames it to its ``.destroyed-`` name (from
 then on it is gone for every caller), and removes the workspace last. Whoever works on a
 ``.creating-`` or ``.destroyed-`` directory holds an ``flock`` on it; a sweep takes over any such
-directory whose lock is free, because its worker died. Removal walks the tree iteratively through
-directory descriptors: no recursion, no path length limit, and names, modes and immutable or
-append-only flags set inside cannot stop it; it never leaves the file system it started on.
+directory whose lock is free, because its worker died. Removal is
+:func:`~sandbox_provider.sandbox.nofollow.remove_tree`: iterative, through directory descriptors, never
+following a link or leaving the file system it started on.
 """
 
 from __future__ import annotations
 
-import array
 import contextlib
 import ctypes
-import errno
 import fcntl
 import hashlib
 import json
@@ -42,6 +40,7 @@ from typing import Any
 
 from sandbox_provider.sandbox.attach import expiry_of
 from sandbox_provider.sandbox.errors import SandboxTerminalError
+from sandbox_provider.sandbox.nofollow import DIR_FLAGS, remove_tree
 from sandbox_provider.sandbox.spec import is_named_sandbox
 
 __all__ = [
@@ -80,11 +79,6 @@ _STAMPLESS_GRACE = 600.0  # seconds before a sandbox directory without a record 
 _NEVER = 4102444800.0  # 2100-01-01, the record's time for a sandbox without an expiry
 #: Seconds an unlocked ``.creating-`` directory is left alone: its creator may not have locked it yet.
 CREATING_GRACE = 5.0
-_FS_IOC_GETFLAGS = 0x80086601
-_FS_IOC_SETFLAGS = 0x40086602
-_FS_IMMUTABLE_FL = 0x00000010
-_FS_APPEND_FL = 0x00000020
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass
@@ -198,7 +192,7 @@ def building(root: str, handle: str, mode: int) -> Iterator[str]:
     """
     staging = os.path.join(root, CREATING + handle)
     os.mkdir(staging, mode)
-    fd = os.open(staging, _DIR_FLAGS)
+    fd = os.open(staging, DIR_FLAGS)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
@@ -230,7 +224,7 @@ def claim(path: str, *, wait: bool) -> Iterator[bool]:
     A directory that is gone yields False too.
     """
     try:
-        fd = os.open(path, _DIR_FLAGS)
+        fd = os.open(path, DIR_FLAGS)
     except (FileNotFoundError, NotADirectoryError):
         yield False
         return
@@ -349,148 +343,6 @@ def remove_sandbox_dir(path: str) -> None:
         remove_tree(box)
     remove_tree(os.path.join(path, "workspace"))
     remove_tree(path)
-
-
-# -- iterative removal -----------------------------------------------------------------------------
-
-
-def _clear_flags(parent_fd: int, name: str) -> None:
-    """Clear the immutable and append-only flags of ``name`` (no-op where unsupported)."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
-    except OSError:
-        return
-    try:
-        flags = array.array("i", [0])
-        fcntl.ioctl(fd, _FS_IOC_GETFLAGS, flags, True)
-        if flags[0] & (_FS_IMMUTABLE_FL | _FS_APPEND_FL):
-            flags[0] &= ~(_FS_IMMUTABLE_FL | _FS_APPEND_FL)
-            fcntl.ioctl(fd, _FS_IOC_SETFLAGS, flags, True)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _unlock_dir(parent_fd: int, name: str) -> None:
-    """Make directory ``name`` removable and enterable by the worker: flags cleared, mode 0700."""
-    _clear_flags(parent_fd, name)
-    with contextlib.suppress(OSError):
-        os.chmod(name, 0o700, dir_fd=parent_fd)
-
-
-def _unlink(fd: int, name: str) -> None:
-    try:
-        os.unlink(name, dir_fd=fd)
-    except FileNotFoundError:
-        pass
-    except PermissionError:
-        _clear_flags(fd, name)
-        os.unlink(name, dir_fd=fd)
-
-
-@dataclass
-class _Level:
-    name: str  # this directory's name in its parent
-    ident: tuple[int, int]  # (st_dev, st_ino) of the directory, to check the way back up
-    pending: list[str] | None = None  # subdirectories still to empty; None until listed
-
-
-def _empty_files(fd: int, level: _Level) -> None:
-    """Unlink everything but directories; note the directories as pending (each is emptied, then removed)."""
-    with os.scandir(fd) as entries:
-        listed = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
-    for name, is_dir in listed:
-        if not is_dir:
-            _unlink(fd, name)
-    level.pending = [name for name, is_dir in listed if is_dir]
-
-
-def _enter(fd: int, name: str, dev: int) -> tuple[int, tuple[int, int]]:
-    _unlock_dir(fd, name)
-    child = os.open(name, _DIR_FLAGS, dir_fd=fd)
-    info = os.fstat(child)
-    if info.st_dev != dev:
-        os.close(child)
-        raise OSError(errno.EXDEV, f"refusing to remove a mount point inside the tree: {name!r}")
-    return child, (info.st_dev, info.st_ino)
-
-
-def _leave(fd: int, expected: tuple[int, int]) -> int:
-    parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
-    info = os.fstat(parent)
-    if (info.st_dev, info.st_ino) != expected:
-        os.close(parent)
-        raise OSError(errno.ESTALE, "the tree changed while it was being removed")
-    return parent
-
-
-def remove_tree(path: str) -> None:
-    """
-    Remove ``path`` and everything below it, iteratively, holding one directory open at a time.
-
-    A symlink is removed, never followed; the walk does not cross into another file system.
-    Missing is fine.
-
-    :raises OSError: for what cannot be removed even so (a mount point inside the tree, say).
-    """
-    parent_fd = os.open(os.path.dirname(os.path.abspath(path)), _DIR_FLAGS)
-    top = os.path.basename(os.path.abspath(path))
-    try:
-        try:
-            info = os.lstat(top, dir_fd=parent_fd)
-        except FileNotFoundError:
-            return
-        if not stat.S_ISDIR(info.st_mode):
-            _unlink(parent_fd, top)
-            return
-        try:
-            os.rmdir(top, dir_fd=parent_fd)  # the common case: empty already
-            return
-        except OSError as err:
-            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.EPERM, errno.EACCES, errno.EBUSY):
-                raise
-        _walk_and_remove(parent_fd, top, info.st_dev)
-    finally:
-        os.close(parent_fd)
-
-
-def _walk_and_remove(parent_fd: int, top: str, dev: int) -> None:
-    parent_info = os.fstat(parent_fd)
-    fd, ident = _enter(parent_fd, top, dev)
-    levels = [_Level(top, ident)]
-    parents = [(parent_info.st_dev, parent_info.st_ino)]
-    try:
-        while levels:
-            level = levels[-1]
-            if level.pending is None:
-                _empty_files(fd, level)
-            if level.pending:
-                name = level.pending.pop()
-                child, ident = _enter(fd, name, dev)
-                os.close(fd)
-                fd = child
-                parents.append(level.ident)
-                levels.append(_Level(name, ident))
-                continue
-            # This directory is empty: go up and remove it.
-            levels.pop()
-            up = _leave(fd, parents.pop())
-            os.close(fd)
-            fd = up
-            try:
-                os.rmdir(level.name, dir_fd=fd)
-            except FileNotFoundError:
-                pass
-            except PermissionError:
-                _clear_flags(fd, level.name)
-                os.rmdir(level.name, dir_fd=fd)
-            except OSError as err:
-                if err.errno != errno.ENOTEMPTY or not levels:
-                    raise
-                levels[-1].pending = None  # something appeared in it: list the parent again
-    finally:
-        os.close(fd)
 
 
 def default_state_root() -> str:

@@ -7,7 +7,9 @@ A source that is a regular local file goes into the pipe with ``sendfile``: the 
 pages and no byte passes through Python. Everything else (object storage, text of ``files=``) is
 read and written a megabyte at a time. A batch goes in as one tar stream: headers made by
 :mod:`tarfile`, the data of each file as above; the many plain files a directory walk found go last,
-archived by the worker's own GNU ``tar`` straight into the pipe (``native_split``).
+archived by the worker's own GNU ``tar`` straight into the pipe (``native_split``), run by bubblewrap
+in a mount namespace where only the walked directory and the worker's programs exist, so a link in
+the tree, even a directory swapped for one after the walk, leads nowhere outside it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ CHUNK = 1024 * 1024
 _BLOCK = tarfile.BLOCKSIZE
 #: A directory walk's plain files go to the worker's ``tar`` from this many on; fewer get tarfile headers.
 NATIVE_MIN_FILES = 32
+#: Where the worker's ``tar`` sees the walked directory, and what else of the worker it sees (read-only).
+_WALKED = "/walked"
+_PROGRAMS = ("/usr", "/bin", "/sbin", "/lib", "/lib64", "/lib32")
 _DELIMITERS = ",|#:;@%!~"
 
 
@@ -146,12 +151,26 @@ def native_split(entries: Sequence[ImportEntry]) -> tuple[list[ImportEntry], lis
     return rest, group
 
 
-def archive_natively(fd: int, group: Sequence[ImportEntry], mtime: float) -> None:
+def confined(bwrap: str, top: str) -> list[str]:
+    """
+    bubblewrap's command line (up to ``--``) running a worker program in a mount namespace of its own
+    where only the worker's programs and ``top`` (at ``/walked``) exist, read-only: a link in ``top``
+    that leads out of it finds nothing. The worker's own user (in a user namespace of its own when
+    it is not root, as bubblewrap then needs one to mount).
+    """
+    argv = [bwrap, "--die-with-parent"] + ([] if os.geteuid() == 0 else ["--unshare-user"])
+    for path in _PROGRAMS:
+        argv += ["--ro-bind-try", path, path]
+    return [*argv, "--ro-bind", top, _WALKED, "--"]
+
+
+def archive_natively(fd: int, group: Sequence[ImportEntry], mtime: float, *, bwrap: str) -> None:
     """
     Write ``group`` (one walk's plain files, see :func:`native_split`) into ``fd`` as a tar archive
-    made by the worker's GNU ``tar``: names given relative to the walked directory, links never
-    followed (a file replaced by a symlink since the walk goes in as that symlink), regular files
-    stored as the tarfile headers would say them (mode 0644, owner 0, ``mtime``).
+    made by the worker's GNU ``tar``, :func:`confined` to the walked directory by ``bwrap``: names
+    given relative to it, links never followed (a file replaced by a symlink since the walk goes in
+    as that symlink; a directory replaced by one leads nowhere outside), regular files stored as the
+    tarfile headers would say them (mode 0644, owner 0, ``mtime``).
 
     :raises BrokenPipeError: the sandbox stopped reading; :raises SandboxError: tar failed, saying why.
     """
@@ -160,16 +179,16 @@ def archive_natively(fd: int, group: Sequence[ImportEntry], mtime: float) -> Non
     transform = _transform(prefix)
     if tar is None or transform is None:
         raise SandboxError(f"The worker cannot archive the files below {top} natively.")
-    argv = [tar, "-c", "-f", "-", "-P", "--format=gnu", "--no-recursion", "--hard-dereference"]
+    argv = [*confined(bwrap, top), tar, "-c", "-f", "-", "-P", "--format=gnu", "--no-recursion", "--hard-dereference"]
     argv += ["--owner=0", "--group=0", "--numeric-owner", "--mode=644", f"--mtime=@{int(mtime)}", *transform]
-    argv += ["-C", top, "--null", "--verbatim-files-from", "-T", "-"]
+    argv += ["-C", _WALKED, "--null", "--verbatim-files-from", "-T", "-"]
     start = len(top.rstrip("/")) + 1
     names = b"".join(os.fsencode(entry.local_path[start:]) + b"\0" for entry in group if entry.local_path)
     proc = subprocess.Popen(
         argv, stdin=subprocess.PIPE, stdout=fd, stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "LC_ALL": "C"}
     )
     _, err = proc.communicate(names)
-    if proc.returncode == -signal.SIGPIPE:
+    if proc.returncode in (-signal.SIGPIPE, 128 + signal.SIGPIPE):  # tar's own, or as bubblewrap reports it
         raise BrokenPipeError("the sandbox stopped reading")
     if proc.returncode != 0:
         lines = [line for line in err.decode(errors="replace").splitlines() if "Exiting with failure" not in line]
@@ -180,13 +199,16 @@ class ArchiveFeed:
     """
     A thread that writes ``entries`` into a new pipe: as a tar stream (``archive=True``), or the one
     entry's bytes alone. :attr:`read_end` goes to the launch as its standard input; :meth:`finish`
-    waits for the thread and returns what stopped it (None when it wrote everything).
+    waits for the thread and returns what stopped it (None when it wrote everything). ``bwrap``
+    confines the worker's ``tar`` (:func:`archive_natively`); without it every file gets tarfile headers.
     """
 
-    def __init__(self, entries: Sequence[ImportEntry], *, archive: bool) -> None:
+    def __init__(self, entries: Sequence[ImportEntry], *, archive: bool, bwrap: str | None = None) -> None:
         self.read_end, self._write_end = pipe()
         self.error: BaseException | None = None
-        self._entries, self._native = native_split(entries) if archive else (list(entries), [])
+        native = archive and bwrap is not None
+        self._entries, self._native = native_split(entries) if native else (list(entries), [])
+        self._bwrap = bwrap or ""
         self._archive = archive
         self._thread = threading.Thread(target=self._feed, name="sandbox-stage", daemon=True)
         self._thread.start()
@@ -201,7 +223,7 @@ class ArchiveFeed:
                 if self._archive and entry.size % _BLOCK:
                     _write_all(self._write_end, bytes(_BLOCK - entry.size % _BLOCK))
             if self._native:
-                archive_natively(self._write_end, self._native, now)  # its end-of-archive ends the stream
+                archive_natively(self._write_end, self._native, now, bwrap=self._bwrap)  # its end of archive ends it
             elif self._archive:
                 _write_all(self._write_end, bytes(2 * _BLOCK))
         except BrokenPipeError:
