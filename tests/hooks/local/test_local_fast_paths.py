@@ -230,7 +230,6 @@ def test_programs_planted_on_the_dags_path_do_not_run_beside_worker_descriptors(
 
 
 def test_the_check_after_an_export_refuses_what_a_hostile_launch_could_leave(tmp_path):
-    from sandbox_provider.hooks.local import export as _local_export
     from sandbox_provider.sandbox.batch import ExportLimits, ExportRequest
 
     limits = ExportLimits(max_file_bytes=1 << 20, max_total_bytes=1 << 20)
@@ -244,18 +243,17 @@ def test_the_check_after_an_export_refuses_what_a_hostile_launch_could_leave(tmp
         (top / "ok").write_text("ok")
         make(top / "sub")
         with pytest.raises(Exception, match=name):
-            _local_export.adopt([str(top)], [request], limits)
+            _local_files.adopt_in_place([str(top)], [request], limits)
     top = tmp_path / "setuid"
     top.mkdir()
     (top / "tool").write_text("x")
     os.chmod(top / "tool", 0o6777)
-    assert _local_export.adopt([str(top)], [request], limits) == [{"tool": 1}]
+    assert _local_files.adopt_in_place([str(top)], [request], limits) == [{"tool": 1}]
     assert stat.S_IMODE((top / "tool").stat().st_mode) == 0o666 & ~_umask()
 
 
 def test_a_file_swapped_for_a_link_while_adopted_is_refused_not_followed(tmp_path, monkeypatch):
     """The mode (and owner) the worker gives an exported file never lands on what a link swapped in leads to."""
-    from sandbox_provider.hooks.local import export as _local_export
     from sandbox_provider.sandbox.batch import ExportBudget, ExportLimits, ExportRequest
 
     victim = tmp_path / "victim"
@@ -280,7 +278,7 @@ def test_a_file_swapped_for_a_link_while_adopted_is_refused_not_followed(tmp_pat
     monkeypatch.setattr(ExportBudget, "admit", swapped_while_admitted)
     limits = ExportLimits(max_file_bytes=1 << 20, max_total_bytes=1 << 20)
     with pytest.raises(SandboxError, match="'d/f' changed into something that is not a regular file"):
-        _local_export.adopt([str(top)], [ExportRequest("d", "tree")], limits)
+        _local_files.adopt_in_place([str(top)], [ExportRequest("d", "tree")], limits)
     assert stat.S_IMODE(victim.stat().st_mode) == 0o604
 
 
@@ -338,10 +336,9 @@ def test_an_export_past_its_total_stops_while_it_is_written(hook, sandbox, tmp_p
 
 
 def test_export_directories_made_before_one_that_fails_are_removed(tmp_path):
-    from sandbox_provider.hooks.local import export as _local_export
     from sandbox_provider.sandbox.errors import SandboxError
 
     (tmp_path / "taken").mkdir()  # something is already where the second one goes
     with pytest.raises(SandboxError, match="Could not make the export directory"):
-        _local_export.prepare([str(tmp_path / "first"), str(tmp_path / "taken")], None)
+        _local_files.prepare_in_place([str(tmp_path / "first"), str(tmp_path / "taken")], None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
