@@ -17,6 +17,8 @@ from sandbox_provider.sandbox.errors import SandboxHandleError
 
 #: Every byte value, twice, and a NUL in the middle: what a binary-safe transfer must carry.
 BINARY = bytes(range(256)) * 2 + b"\0tail"
+#: The battery's cases each test class started in this run, to know when the whole battery ran.
+_STARTED: dict[type, set[str]] = {}
 
 
 def _lines(text: str) -> list[str]:
@@ -33,6 +35,10 @@ class SandboxContract:
     refused_specs: list[tuple[SandboxSpec, str]] = []
     #: A timeout short enough to test and long enough for the backend's round trip, in seconds.
     short_timeout: float = 2.0
+
+    @pytest.fixture(autouse=True)
+    def _started(self, request):
+        _STARTED.setdefault(request.cls, set()).add(request.node.originalname)
 
     @pytest.fixture
     def sandbox(self, hook):
@@ -177,3 +183,17 @@ class SandboxContract:
             with pytest.raises(SandboxTerminalError, match=message):
                 hook.create(spec=spec)
         assert made == []
+
+    # -- the settings table: last, since it judges what the cases above read ------------------------------
+
+    def test_zz_every_setting_in_the_table_is_read(self, hook, request):
+        cases = {name for name in vars(SandboxContract) if name.startswith("test_")}
+        left = sorted(cases - _STARTED.get(request.cls, set()) - {request.node.originalname})
+        if left:
+            pytest.skip(f"the whole battery must run before this check; these cases did not: {', '.join(left)}")
+        # The settings machinery records each name a hook reads from its resolved settings.
+        unread = sorted(set(hook.settings.names) - hook.settings.read)
+        assert unread == [], (
+            f"{type(hook).__name__} never read the settings {unread} of its table while the battery ran: read "
+            "each where it takes effect, or drop it from the table (hooks/forms/<backend>.py)."
+        )

@@ -23,7 +23,7 @@ from airflow.sdk import BaseHook
 
 from sandbox_provider.sandbox.connection_test import connection_test_origin
 from sandbox_provider.sandbox.errors import SandboxError, SandboxHandleError, SandboxTerminalError
-from sandbox_provider.sandbox.network import NetworkReach, describe_reach
+from sandbox_provider.sandbox.network import NetworkReach, describe_reach, missing_phrases
 from sandbox_provider.sandbox.output import TailBuffer
 from sandbox_provider.sandbox.settings import ConnectionForm, SettingsTable
 from sandbox_provider.sandbox.spec import (
@@ -222,6 +222,30 @@ class OutputSink:
         return text, StreamTotals(bytes=buffer.total, lines=buffer.lines, tail_at_line_start=at_line)
 
 
+def _check_network_words(cls: type[SandboxHook]) -> None:
+    """
+    :raises TypeError: when ``cls`` accepts a network mode without saying what it lets through (and
+        words none itself in an overridden ``describe_network``).
+    """
+    if cls.describe_network is not SandboxHook.describe_network:
+        return  # it words the modes itself; what it returns is checked per backend by the tests
+    caps = cls.capabilities
+    accepted = {
+        "blocked": caps.no_network,
+        "open": caps.open_network,
+        "hosts": caps.egress_hosts,
+        "cidrs": caps.egress_cidrs,
+    }
+    missing = missing_phrases(caps.network, accepted)
+    if missing:
+        fields = ", ".join(f'{mode}="..."' for mode in missing)
+        raise TypeError(
+            f"{cls.__name__} accepts the network modes {', '.join(missing)} but does not say what they let through: "
+            f"give capabilities = Capabilities(..., network=NetworkReach({fields})), each phrase completing "
+            '"This sandbox ..." (which ports, protocols and DNS answers), or override describe_network.'
+        )
+
+
 def check_command(command: Any) -> str:
     """:raises SandboxError: unless ``command`` is a non-empty shell command line without NUL."""
     if not isinstance(command, str) or not command.strip() or "\0" in command:
@@ -300,6 +324,13 @@ class SandboxHook(BaseHook):
     form: ClassVar[ConnectionForm | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
+        """
+        Take a backend's form, document its settings from the table, and check that it words every
+        network mode it accepts.
+
+        :raises TypeError: for a backend with a connection type whose ``capabilities.network`` leaves out
+            the phrase of a mode it accepts, or whose docstring documents a setting by hand.
+        """
         super().__init_subclass__(**kwargs)
         form = cls.__dict__.get("form")
         if form is not None:
@@ -309,6 +340,9 @@ class SandboxHook(BaseHook):
             cls.default_conn_name = form.default_conn_name
             cls.settings = form.settings
             cls.ui_behaviour = form.ui_behaviour
+            cls.__doc__ = form.settings.document(cls.__name__, cls.__doc__, cls.__init__)
+        if form is not None or "conn_type" in cls.__dict__:
+            _check_network_words(cls)
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

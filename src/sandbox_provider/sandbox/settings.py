@@ -2,18 +2,22 @@
 One table of settings per backend: each setting once, with its type, default, bounds and help.
 
 The table resolves a hook's settings (the hook's own argument over the connection's extra over the
-default), checks each value, and generates the connection form fields Airflow shows, so the form
-cannot drift from what the hook reads.
+default), checks each value, and generates the connection form fields Airflow shows and the hook's
+documentation of them, so neither can drift from what the hook reads. The values it resolves record
+which settings the hook reads (:attr:`SettingsTable.read`), and refuse a name the table lacks.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Iterable, Mapping
+import os
+import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ConnectionForm", "Setting", "SettingsTable"]
+__all__ = ["ConnectionForm", "ResolvedSettings", "Setting", "SettingsTable"]
 
 _KINDS: dict[type, str] = {int: "integer", float: "number", str: "string", bool: "boolean"}
 _TRUE = {"1", "true", "yes", "on"}
@@ -29,7 +33,10 @@ class Setting:
     :param kind: ``int``, ``float``, ``str`` or ``bool``.
     :param default: the value when neither argument nor extra gives one; None for "not set".
     :param label: the form field's label.
-    :param help: one or two sentences for the form: what it does, its unit and its default.
+    :param help: one or two sentences for the form and the hook's documentation: what it does and
+        its unit. Not its default: the setting adds ``Default: ...`` itself.
+    :param default_text: the default in words, when the value alone does not say it (``"no limit"``,
+        a path computed at run time); without it the default value is shown, or ``none``.
     :param unit: the unit of a number (``"seconds"``, ``"bytes"``), shown in the help.
     :param minimum: the smallest value accepted (numbers).
     :param maximum: the largest value accepted (numbers).
@@ -47,6 +54,28 @@ class Setting:
     maximum: float | None = None
     choices: tuple[str, ...] | None = None
     form: bool = True
+    default_text: str | None = None
+
+    def __post_init__(self) -> None:
+        if re.search(r"\bdefault\s*:", self.help, re.IGNORECASE):
+            raise ValueError(
+                f"Setting {self.name!r}: its help states a default ({self.help!r}). Leave it out: the setting writes "
+                "'Default: ...' itself, from default= or, when that does not say it, default_text='<in words>'."
+            )
+
+    @property
+    def default_words(self) -> str:
+        """The default as the form and the documentation state it: ``default_text``, the value, or ``none``."""
+        if self.default_text is not None:
+            return self.default_text
+        if self.default is None:
+            return "none"
+        return self._default_text()
+
+    @property
+    def description(self) -> str:
+        """The help with the default: the form field's description and the hook argument's documentation."""
+        return f"{self.help} Default: {self.default_words}.".strip()
 
     def check(self, value: Any, where: str, *, strict: bool = False) -> Any:
         """
@@ -73,6 +102,8 @@ class Setting:
 
     def _convert(self, value: Any, strict: bool) -> Any:
         kind = self.kind
+        if kind is str and isinstance(value, os.PathLike):
+            value = os.fspath(value)
         if strict and kind is not float and not isinstance(value, kind):
             return None
         if strict and kind is float and (isinstance(value, str) or isinstance(value, bool)):
@@ -121,11 +152,7 @@ class Setting:
             schema["maximum"] = self.maximum
         if self.choices is not None:
             schema["enum"] = [*self.choices, None]
-        text = self.help
-        if self.default is not None and "Default" not in text:
-            text = f"{text} Default: {self._default_text()}.".strip()
-        field: dict[str, Any] = {"label": self.label or self.name, "schema": schema, "description": text}
-        return field
+        return {"label": self.label or self.name, "schema": schema, "description": self.description}
 
     def _default_text(self) -> str:
         if self.kind is bool:
@@ -133,6 +160,11 @@ class Setting:
         if isinstance(self.default, float) and self.default.is_integer():
             return str(int(self.default))
         return str(self.default)
+
+
+def _one_of(setting: Setting) -> str:
+    """The values a setting of choices accepts, as a sentence for its documentation; else nothing."""
+    return f" One of {', '.join(map(repr, setting.choices))}." if setting.choices else ""
 
 
 def _number(value: float) -> str:
@@ -153,6 +185,8 @@ class SettingsTable:
         if len(set(names)) != len(names):
             raise ValueError(f"settings must be named once each: {names!r}")
         self._settings = {s.name: s for s in settings}
+        #: The names a hook has read from values this table resolved, in this process.
+        self.read: set[str] = set()
 
     def __iter__(self):
         return iter(self._settings.values())
@@ -170,6 +204,7 @@ class SettingsTable:
     def check_args(self, args: Mapping[str, Any]) -> dict[str, Any]:
         """
         Check hook arguments (None for "not given") at construction, so a Dag file fails at parse time.
+        A path-like value of a string setting is taken as its path.
 
         :raises ValueError: for a value of the wrong kind or out of bounds, naming the argument.
         """
@@ -177,6 +212,14 @@ class SettingsTable:
         if unknown:
             raise ValueError(f"not settings of this backend: {unknown!r}")
         return {name: self._settings[name].check(value, name, strict=True) for name, value in args.items()}
+
+    def arguments(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """
+        The hook arguments among ``given`` (a constructor's ``locals()``) that are settings of this
+        table, checked as :meth:`check_args` does. A setting the constructor does not take is read
+        from the connection only.
+        """
+        return self.check_args({name: given[name] for name in self._settings if name in given})
 
     def resolve(
         self, args: Mapping[str, Any], extra: Mapping[str, Any] | None = None, *, conn_id: str | None = None
@@ -191,7 +234,7 @@ class SettingsTable:
         """
         extra = extra or {}
         _warn_unknown(extra, self._settings, conn_id)
-        values: dict[str, Any] = {}
+        values = ResolvedSettings(self)
         for name, setting in self._settings.items():
             value = args.get(name)
             if value is None and name in extra:
@@ -204,9 +247,72 @@ class SettingsTable:
         """The ``conn-fields`` mapping for ``get_provider_info()``: one field per setting with ``form=True``."""
         return {s.name: s.form_field() for s in self._settings.values() if s.form}
 
+    def document(self, owner: str, doc: str | None, init: Callable[..., Any]) -> str:
+        """
+        ``doc`` (the docstring of the hook class ``owner``) with its settings documented from this
+        table: a ``:param:`` line each for the settings ``init`` takes as arguments, then those read
+        from the connection only.
+
+        :raises TypeError: when ``doc`` documents a setting itself: the table's help is the one place.
+        """
+        text = inspect.cleandoc(doc or "")
+        by_hand = [name for name in self._settings if re.search(rf"^:param {re.escape(name)}:", text, re.M)]
+        if by_hand:
+            raise TypeError(
+                f"{owner}'s docstring documents the settings {', '.join(by_hand)} by hand: remove those :param "
+                "lines; the docstring gets them from the settings table (each Setting's help and default)."
+            )
+        taken = inspect.signature(init).parameters
+        argued = [s for s in self._settings.values() if s.name in taken]
+        extras = [s for s in self._settings.values() if s.name not in taken]
+        head, raises, tail = text.partition("\n:raises")
+        lines = [head, *[f":param {s.name}: {s.description}{_one_of(s)}" for s in argued]]
+        if raises:
+            lines.append(raises.lstrip("\n") + tail)
+        if argued:
+            lines.append(
+                f"\nThe parameters from ``{argued[0].name}`` to ``{argued[-1].name}`` are settings: each is also read "
+                "from the connection's extra of the same name, and an argument given here wins."
+            )
+        if extras:
+            lines += ["Read from the connection's extras only:", ""]
+            lines += [f"- ``{s.name}``: {s.description}{_one_of(s)}" for s in extras]
+        return "\n".join(lines) + "\n"
+
     def extend(self, settings: Iterable[Setting]) -> SettingsTable:
         """A new table with these settings added after this table's."""
         return SettingsTable(*self._settings.values(), *settings)
+
+
+class ResolvedSettings(dict[str, Any]):
+    """
+    A hook's resolved settings: a dict that records in its table each name read (``values[name]``,
+    ``values.get(name)``), so which settings a hook reads is known from running it. A name neither
+    the table nor the hook put there is refused, also by ``get``: a misspelt setting never reads as
+    "not set".
+    """
+
+    def __init__(self, table: SettingsTable) -> None:
+        super().__init__()
+        self.table = table
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self:
+            raise KeyError(self._unknown(name))
+        self.table.read.add(name)
+        return super().__getitem__(name)
+
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        if name not in self:
+            raise KeyError(self._unknown(name))
+        self.table.read.add(name)
+        return super().get(name, default)
+
+    def _unknown(self, name: str) -> str:
+        return (
+            f"{name!r} is no setting of this backend (it reads {', '.join(sorted(self))}): add "
+            f"Setting({name!r}, ...) to its settings table (hooks/forms/<backend>.py), or fix the name."
+        )
 
 
 #: Extras a connection may carry that no settings table reads (Airflow's own, and other providers').

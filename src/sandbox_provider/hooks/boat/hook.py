@@ -91,11 +91,6 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
     ``host`` the API base URL (default ``https://boat.dev/api/v1``), extras for the settings below.
 
     :param boat_conn_id: the Airflow connection to read.
-    :param machine_type: ``"small"``, ``"default"`` (the default), ``"large"`` or ``"xlarge"``.
-    :param sandbox_timeout: lifetime in seconds, after which Boat archives the sandbox (its
-        ``ttl_seconds``); default 3600, at most 30 days.
-    :param ready_timeout: seconds to wait for a new sandbox to be ready; default 300.
-    :param request_timeout: seconds one API request may take past a command's deadline; default 30.
     :raises ValueError: for a setting of the wrong type or out of bounds.
     """
 
@@ -135,14 +130,7 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
     ) -> None:
         super().__init__(**kwargs)
         self.boat_conn_id = check_conn_id(boat_conn_id, "boat_conn_id")
-        self._args = self.settings.check_args(
-            {
-                "machine_type": machine_type,
-                "sandbox_timeout": sandbox_timeout,
-                "ready_timeout": ready_timeout,
-                "request_timeout": request_timeout,
-            }
-        )
+        self._args = self.settings.arguments(locals())
         self._lock = threading.Lock()
         self._settings_obj: dict[str, Any] | None = None
         #: The API key and the API base URL, from the connection or the environment.

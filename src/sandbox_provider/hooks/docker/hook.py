@@ -96,17 +96,6 @@ class DockerSandboxHook(GatewayEgress, DockerExec, StreamFiles, ShellFiles, Atta
     settings below, which the hook arguments override.
 
     :param sandbox_conn_id: the Airflow connection to read.
-    :param image: the image sandboxes run; default ``python:3.12-slim``. It needs ``sh``, ``sleep``,
-        ``cp``, ``chmod``, ``chown``, ``mkdir`` and coreutils ``timeout``.
-    :param cpus: CPUs per sandbox (fractions allowed); default 1.
-    :param memory_bytes: memory limit per sandbox in bytes, swap included; default 1 GiB.
-    :param pids_limit: most processes at once per sandbox; default 512.
-    :param sandbox_timeout: lifetime in seconds; default 3600.
-    :param network: Docker network joined when a spec sets ``block_network=False``; default ``bridge``.
-    :param sandbox_uid: the user id (and group id) commands run as; default 65432.
-    :param run_as_root: run commands as root (with a few capabilities) instead; default False.
-    :param disk_bytes: most bytes a sandbox may write, where the storage driver can limit it
-        (``create`` refuses elsewhere); default no limit.
     :param pull: ``"missing"`` (default) pulls an image the Engine lacks, ``"never"`` refuses,
         ``"always"`` pulls before each create.
     :param egress_ports: the ports hosts of ``allow_egress_to`` are reached on (default ``[443]``);
@@ -166,19 +155,7 @@ class DockerSandboxHook(GatewayEgress, DockerExec, StreamFiles, ShellFiles, Atta
         if pull not in _PULL_POLICIES:
             raise ValueError(f"pull must be one of {', '.join(_PULL_POLICIES)}; got {pull!r}.")
         self.sandbox_conn_id = sandbox_conn_id
-        self._args = self.settings.check_args(
-            {
-                "image": image,
-                "network": network,
-                "cpus": cpus,
-                "memory_bytes": memory_bytes,
-                "pids_limit": pids_limit,
-                "sandbox_timeout": sandbox_timeout,
-                "sandbox_uid": sandbox_uid,
-                "run_as_root": run_as_root,
-                "disk_bytes": disk_bytes,
-            }
-        )
+        self._args = self.settings.arguments(locals())
         self.pull = pull
         self.egress_ports = egress.check_ports(egress_ports)
         self.egress_pins = egress.host_pins(egress_pins)

@@ -35,7 +35,8 @@ SETTINGS = SettingsTable(
         int,
         DEFAULT_MEMORY_BYTES,
         label="Memory limit (bytes)",
-        help=f"Memory per sandbox in bytes, swap included. Default: {DEFAULT_MEMORY_BYTES} (1 GiB).",
+        help="Memory per sandbox in bytes, swap included.",
+        default_text=f"{DEFAULT_MEMORY_BYTES} (1 GiB)",
         unit="bytes",
         minimum=6 * 1024 * 1024,
     ),
@@ -74,9 +75,12 @@ SETTINGS = SettingsTable(
         "disk_bytes",
         int,
         label="Disk limit (bytes)",
-        help="Most bytes a sandbox may write to its filesystem, through the Engine's storage-opt size. Only "
-        "some storage drivers support it (overlay2 on xfs with pquota, btrfs, zfs, devicemapper); elsewhere "
-        "create refuses. btrfs counts the image's files in it too. Default: no limit.",
+        help=(
+            "Most bytes a sandbox may write to its filesystem, through the Engine's storage-opt size. Only "
+            "some storage drivers support it (overlay2 on xfs with pquota, btrfs, zfs, devicemapper); "
+            "elsewhere create refuses. btrfs counts the image's files in it too."
+        ),
+        default_text="no limit",
         unit="bytes",
         minimum=1024 * 1024,
     ),
@@ -84,26 +88,29 @@ SETTINGS = SettingsTable(
         "tls_ca_cert",
         str,
         label="TLS CA certificate (path)",
-        help="Path of the CA certificate the daemon's is checked against, on every host that uses this connection "
-        "(workers, and the API server for the Test button). Default: none.",
+        help=(
+            "Path of the CA certificate the daemon's is checked against, on every host that uses this "
+            "connection (workers, and the API server for the Test button)."
+        ),
     ),
     Setting(
         "tls_client_cert",
         str,
         label="TLS client certificate (path)",
-        help="Path of the client certificate to present; needs the client key too. Default: none.",
+        help="Path of the client certificate to present; needs the client key too.",
     ),
     Setting(
         "tls_client_key",
         str,
         label="TLS client key (path)",
-        help="Path of the client certificate's key. Default: none.",
+        help="Path of the client certificate's key.",
     ),
     Setting(
         "tls_verify",
         bool,
         label="Verify TLS",
-        help="Check the daemon's certificate. Default: checked when a CA certificate is given.",
+        help="Check the daemon's certificate.",
+        default_text="checked when a CA certificate is given",
     ),
 )
 UI_BEHAVIOUR = {

@@ -14,18 +14,22 @@ SETTINGS = SettingsTable(
         "image",
         str,
         label="Image",
-        help="Image a sandbox boots; it needs sh and coreutils (timeout, tail, mktemp). Default: Islo's.",
+        help="Image a sandbox boots; it needs sh and coreutils (timeout, tail, mktemp).",
+        default_text="Islo's",
     ),
-    Setting("vcpus", int, label="vCPUs", help="Virtual CPUs per sandbox. Default: Islo's.", minimum=1),
+    Setting("vcpus", int, label="vCPUs", help="Virtual CPUs per sandbox.", default_text="Islo's", minimum=1),
     Setting(
         "memory_mb",
         int,
         label="Memory (MiB)",
-        help="Memory per sandbox in MiB. Default: Islo's.",
+        help="Memory per sandbox in MiB.",
+        default_text="Islo's",
         unit="MiB",
         minimum=128,
     ),
-    Setting("disk_gb", int, label="Disk (GB)", help="Disk per sandbox in GB. Default: Islo's.", unit="GB", minimum=1),
+    Setting(
+        "disk_gb", int, label="Disk (GB)", help="Disk per sandbox in GB.", default_text="Islo's", unit="GB", minimum=1
+    ),
     Setting(
         "sandbox_timeout",
         int,
@@ -56,7 +60,8 @@ SETTINGS = SettingsTable(
         "base_url",
         str,
         label="Control API URL",
-        help="Islo's control-plane URL, where the API key is exchanged. Default: ISLO_BASE_URL, else Islo's.",
+        help="Islo's control-plane URL, where the API key is exchanged.",
+        default_text="ISLO_BASE_URL, else Islo's",
     ),
     request_timeout("Seconds one API request may take."),
 )

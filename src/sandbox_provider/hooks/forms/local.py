@@ -18,16 +18,19 @@ SETTINGS = SettingsTable(
         "state_root",
         str,
         label="State directory",
-        help="Directory on the worker that holds the sandboxes. Default: "
-        "<temporary directory>/airflow-sandbox-<uid>-<instance>, one per user and AIRFLOW_HOME.",
+        help="Directory on the worker that holds the sandboxes.",
+        default_text="<temporary directory>/airflow-sandbox-<uid>-<instance>, one per user and AIRFLOW_HOME",
     ),
     Setting(
         "image",
         str,
         label="Root filesystem directory",
-        help="A directory on the worker used, read-only, as the sandbox's root instead of the host's system "
-        "directories (for example one made with debootstrap); on a root worker every user must be able to read it. "
-        "Default: the host's /usr, /bin, /lib* and a few /etc entries.",
+        help=(
+            "A directory on the worker used, read-only, as the sandbox's root instead of the host's system "
+            "directories (for example one made with debootstrap); on a root worker every user must be able to"
+            " read it."
+        ),
+        default_text="the host's /usr, /bin, /lib* and a few /etc entries",
     ),
     Setting(
         "sandbox_timeout",
@@ -42,7 +45,8 @@ SETTINGS = SettingsTable(
         "cpu_seconds",
         int,
         label="CPU time per process (seconds)",
-        help="CPU seconds each process in the sandbox may use (RLIMIT_CPU). Default: no limit.",
+        help="CPU seconds each process in the sandbox may use (RLIMIT_CPU).",
+        default_text="no limit",
         unit="seconds",
         minimum=1,
     ),
@@ -50,17 +54,23 @@ SETTINGS = SettingsTable(
         "cpu_limit",
         float,
         label="CPU share (CPUs)",
-        help="CPU time the whole sandbox may use per second of wall-clock time, in CPUs (0.5 = half a core; "
-        "cgroup cpu.max). Needs a writable cgroup hierarchy: refused without one. Default: no limit.",
+        help=(
+            "CPU time the whole sandbox may use per second of wall-clock time, in CPUs (0.5 = half a core; "
+            "cgroup cpu.max). Needs a writable cgroup hierarchy: refused without one."
+        ),
+        default_text="no limit",
         unit="CPUs",
         minimum=0.01,
     ),
     Setting(
         "memory_bytes",
         label="Memory limit (bytes)",
-        help="Memory of the whole sandbox, in bytes: its processes, the files it keeps in /dev/shm and its tmpfs, "
-        "and its page cache (cgroup memory.max). Needs a writable cgroup hierarchy: refused without one. "
-        "Default: no limit.",
+        help=(
+            "Memory of the whole sandbox, in bytes: its processes, the files it keeps in /dev/shm and its "
+            "tmpfs, and its page cache (cgroup memory.max). Needs a writable cgroup hierarchy: refused "
+            "without one."
+        ),
+        default_text="no limit",
         **_BYTES,
     ),
     Setting(
@@ -75,14 +85,18 @@ SETTINGS = SettingsTable(
     Setting(
         "max_file_bytes",
         label="Largest file (bytes)",
-        help="Largest file a process may write, in bytes (RLIMIT_FSIZE); not a quota on the total. Default: no limit.",
+        help="Largest file a process may write, in bytes (RLIMIT_FSIZE); not a quota on the total.",
+        default_text="no limit",
         **_BYTES,
     ),
     Setting(
         "disk_bytes",
         label="Disk budget (bytes)",
-        help="Bytes the sandbox may store in its workspace and /tmp together: they live on a tmpfs of this size "
-        "(held in memory, counted in memory_bytes). Needs a root worker: refused otherwise. Default: no limit.",
+        help=(
+            "Bytes the sandbox may store in its workspace and /tmp together: they live on a tmpfs of this "
+            "size (held in memory, counted in memory_bytes). Needs a root worker: refused otherwise."
+        ),
+        default_text="no limit",
         **_BYTES,
     ),
     Setting(
@@ -106,8 +120,8 @@ SETTINGS = SettingsTable(
         "uid_lease_dir",
         str,
         label="User id lease directory (root workers)",
-        help="Where a root worker records which sandbox holds which id; one directory for every worker of the "
-        "host. Default: <tmp>/airflow-sandbox-uids.",
+        help=("Where a root worker records which sandbox holds which id; one directory for every worker of the host."),
+        default_text="<tmp>/airflow-sandbox-uids",
     ),
     Setting(
         "cgroup_parent",

@@ -13,11 +13,17 @@ SETTINGS = SettingsTable(
         "gateway",
         str,
         label="CLI gateway name",
-        help="A gateway registered with the openshell CLI on the worker, used when the connection has no host. "
-        "Default: $OPENSHELL_GATEWAY, else the CLI's active gateway.",
+        help="A gateway registered with the openshell CLI on the worker, used when the connection has no host.",
+        default_text="$OPENSHELL_GATEWAY, else the CLI's active gateway",
     ),
     Setting("workspace", str, DEFAULT_WORKSPACE, label="Workspace", help="The gateway workspace sandboxes live in."),
-    Setting("image", str, DEFAULT_IMAGE, label="Image", help="Image of new sandboxes; it needs sh, setsid and sleep."),
+    Setting(
+        "image",
+        str,
+        DEFAULT_IMAGE,
+        label="Image",
+        help="Image of new sandboxes; it needs sh, setsid and sleep, and stat, head, find and mktemp for files.",
+    ),
     Setting("cpu", str, "1", label="CPU limit", help="CPU limit per sandbox, as a Kubernetes quantity ('1', '500m')."),
     Setting("memory", str, "2Gi", label="Memory limit", help="Memory limit per sandbox, as a Kubernetes quantity."),
     Setting(
@@ -58,24 +64,26 @@ SETTINGS = SettingsTable(
         help="Seconds past a command's deadline the gateway may take to relay its end; after that the sandbox is "
         "destroyed.",
     ),
-    Setting("tls", bool, label="TLS", help="Use TLS with the system's trusted roots. Default: on with a CA file."),
+    Setting(
+        "tls", bool, label="TLS", help="Use TLS with the system's trusted roots.", default_text="on with a CA file"
+    ),
     Setting(
         "tls_ca_cert",
         str,
         label="TLS CA certificate (path)",
-        help="CA file on the worker that signed the gateway. Default: none.",
+        help="CA file on the worker that signed the gateway.",
     ),
     Setting(
         "tls_client_cert",
         str,
         label="TLS client certificate (path)",
-        help="Client certificate file, for mTLS. Default: none.",
+        help="Client certificate file, for mTLS.",
     ),
     Setting(
         "tls_client_key",
         str,
         label="TLS client key (path)",
-        help="Client key file, with the certificate. Default: none.",
+        help="Client key file, with the certificate.",
     ),
 )
 UI_BEHAVIOUR = {

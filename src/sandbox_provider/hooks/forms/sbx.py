@@ -11,7 +11,14 @@ DEFAULT_SANDBOX_TIMEOUT = 3600.0
 HOST_POLICIES = ("unknown", "deny-all", "allow-all")
 
 SETTINGS = SettingsTable(
-    Setting("image", str, DEFAULT_IMAGE, label="Template image", help="Image sandboxes start from (--template)."),
+    Setting(
+        "image",
+        str,
+        DEFAULT_IMAGE,
+        label="Template image",
+        help="Image sandboxes start from (--template); it needs sh, setsid, sleep and mktemp, and stat, head and "
+        "find for files.",
+    ),
     Setting(
         "memory",
         str,
@@ -19,7 +26,7 @@ SETTINGS = SettingsTable(
         label="Memory",
         help="Memory per sandbox in binary units ('2g', '1536m'); at least 1 GiB, as sbx requires.",
     ),
-    Setting("cpus", int, label="CPUs", help="CPUs per sandbox. Default: what sbx picks.", minimum=1),
+    Setting("cpus", int, label="CPUs", help="CPUs per sandbox.", default_text="what sbx picks", minimum=1),
     Setting("sbx_path", str, "sbx", label="sbx binary", help="The sbx CLI: a name on PATH or a path on the worker."),
     Setting(
         "host_network_policy",

@@ -91,15 +91,6 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
     for the settings below.
 
     :param islo_conn_id: the Airflow connection to read.
-    :param image: image a sandbox boots; default Islo's. It needs ``sh`` and coreutils.
-    :param vcpus: virtual CPUs; default Islo's.
-    :param memory_mb: memory in MiB; default Islo's.
-    :param disk_gb: disk in GB; default Islo's.
-    :param sandbox_timeout: lifetime in seconds, counted from creation (Islo's ``delete_after``); default 3600.
-    :param pause_after_idle: seconds idle before Islo pauses the sandbox (at least 60); default 600.
-    :param auto_resume: ``"on_activity"`` (default) or ``"never"``.
-    :param base_url: Islo's control API URL (where the API key is exchanged).
-    :param request_timeout: seconds one API request may take; default 30.
     :param workdir: working directory of commands and relative paths; default ``/workspace``.
     :raises ValueError: for a setting of the wrong type or out of bounds.
     """
@@ -142,19 +133,7 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
     ) -> None:
         super().__init__(**kwargs)
         self.islo_conn_id = check_conn_id(islo_conn_id, "islo_conn_id")
-        self._args = self.settings.check_args(
-            {
-                "image": image,
-                "vcpus": vcpus,
-                "memory_mb": memory_mb,
-                "disk_gb": disk_gb,
-                "sandbox_timeout": sandbox_timeout,
-                "pause_after_idle": pause_after_idle,
-                "auto_resume": auto_resume,
-                "base_url": base_url,
-                "request_timeout": request_timeout,
-            }
-        )
+        self._args = self.settings.arguments(locals())
         if base_url is not None:
             check_service_url(base_url, "base_url")
         self.workdir = check_workdir(workdir)

@@ -81,34 +81,7 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
     :param sandbox_conn_id: a ``sandbox_local`` connection whose extras give defaults for the
         settings below; arguments given here win. None (the default): the ``sandbox_local_default``
         connection when it exists, else none. A connection named here must exist.
-    :param state_root: directory holding the sandboxes. Default:
-        ``<tmp>/airflow-sandbox-<uid>-<instance>``, where ``<instance>`` is 10 hex digits derived
-        from ``AIRFLOW_HOME``: tasks of one Airflow on one host (LocalExecutor, ``airflow dags test``)
-        find each other's sandboxes, and another Airflow on the host, or another user, does not.
-    :param image: a root filesystem directory to use, read-only, instead of the host's system
-        directories (for example one made with ``debootstrap``); on a root worker every user must
-        be able to read it.
     :param workdir: where the workspace is mounted inside; relative paths resolve there.
-    :param sandbox_timeout: the sandbox's lifetime in seconds (default 3600). After it, commands are
-        refused as terminal, and the next ``create`` on this host or :meth:`gc_expired` removes it.
-    :param cpu_seconds: CPU seconds per process (``RLIMIT_CPU``); None for no limit.
-    :param cpu_limit: CPU time of the whole sandbox per second, in CPUs (cgroup ``cpu.max``); None
-        for no limit. Refused on a worker without a writable cgroup hierarchy.
-    :param memory_bytes: memory of the whole sandbox in bytes, tmpfs and page cache included
-        (cgroup ``memory.max``); None for no limit. Refused on a worker without a writable cgroup.
-    :param max_processes: processes and threads of the sandbox at once (cgroup ``pids.max``, or
-        ``RLIMIT_NPROC`` of its user without cgroups); default 1024.
-    :param max_file_bytes: the largest file a process may write, in bytes (``RLIMIT_FSIZE``); None
-        for no limit.
-    :param disk_bytes: bytes the workspace and ``/tmp`` may hold together (a tmpfs of that size,
-        counted in ``memory_bytes``); None for no limit. Refused on a worker that is not root.
-    :param shm_bytes: the size of ``/dev/shm``, in bytes (default 64 MiB).
-    :param uid_range: ``"first-last"``, the host user ids a root worker leases to its sandboxes
-        (default ``"1900000000-1900065535"``); ignored when the worker is not root.
-    :param uid_lease_dir: where a root worker records its leases, one directory for the host
-        (default ``<tmp>/airflow-sandbox-uids``).
-    :param cgroup_parent: where sandbox cgroups go: relative paths under the worker's own cgroup
-        (default ``airflow-sandbox``), absolute ones from the hierarchy's root.
     :param bwrap_path: the bubblewrap program, by name or path.
     :param egress_ports: the ports hosts of ``allow_egress_to`` are reached on (default ``[443]``);
         ranges of ``allow_egress_to_cidrs`` are reached on any port.
@@ -169,23 +142,7 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
     ) -> None:
         super().__init__(**kwargs)
         self.sandbox_conn_id = sandbox_conn_id
-        self._args = self.settings.check_args(
-            {
-                "state_root": os.fspath(state_root) if state_root is not None else None,
-                "image": os.fspath(image) if image is not None else None,
-                "sandbox_timeout": sandbox_timeout,
-                "cpu_seconds": cpu_seconds,
-                "cpu_limit": cpu_limit,
-                "memory_bytes": memory_bytes,
-                "max_processes": max_processes,
-                "max_file_bytes": max_file_bytes,
-                "disk_bytes": disk_bytes,
-                "shm_bytes": shm_bytes,
-                "uid_range": uid_range,
-                "uid_lease_dir": os.fspath(uid_lease_dir) if uid_lease_dir is not None else None,
-                "cgroup_parent": cgroup_parent,
-            }
-        )
+        self._args = self.settings.arguments(locals())
         if uid_range is not None:
             parse_uid_range(uid_range)
         if cgroup_parent is not None:

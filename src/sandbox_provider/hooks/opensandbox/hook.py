@@ -130,14 +130,6 @@ class OpenSandboxHook(Attachable, SandboxHook):
     Nothing is contacted until a sandbox is created or used.
 
     :param opensandbox_conn_id: the Airflow connection to read, or None for the SDK's environment.
-    :param image: the image sandboxes run (default the connection's, else ``python:3.12-slim``).
-    :param cpu: CPU limit per sandbox, in the server's notation (``"1"``, ``"500m"``); default ``"1"``.
-    :param memory: memory limit per sandbox (``"2Gi"``); default ``"2Gi"``.
-    :param sandbox_timeout: lifetime in seconds, at least 60; default 3600.
-    :param request_timeout: seconds per API request; default 30.
-    :param ready_timeout: seconds a new or reconnected sandbox may take to answer, never charged to a
-        command; default 120.
-    :param use_server_proxy: reach sandboxes through the server instead of their published ports.
     :param transport: an ``httpx.BaseTransport`` for every request (a proxy, or a test's mock).
     :raises ValueError: for a setting of the wrong type or out of range, when the hook is built.
     """
@@ -174,17 +166,7 @@ class OpenSandboxHook(Attachable, SandboxHook):
         if isinstance(sandbox_timeout, int) and not isinstance(sandbox_timeout, bool):
             sandbox_timeout = float(sandbox_timeout)
         self.opensandbox_conn_id = opensandbox_conn_id
-        self._args = self.settings.check_args(
-            {
-                "image": image,
-                "cpu": cpu,
-                "memory": memory,
-                "sandbox_timeout": sandbox_timeout,
-                "request_timeout": None if request_timeout is None else float(request_timeout),
-                "ready_timeout": None if ready_timeout is None else float(ready_timeout),
-                "use_server_proxy": use_server_proxy,
-            }
-        )
+        self._args = self.settings.arguments(locals())
         self.transport = transport
         self._settings_obj: dict[str, Any] | None = None
         self._sandboxes: dict[str, Any] = {}

@@ -114,18 +114,6 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
       ``tls_client_key`` (paths on the worker; TLS is on when any is given), and every setting below.
 
     :param openshell_conn_id: the Airflow connection to read.
-    :param gateway: a gateway name registered with the CLI, used without a connection host.
-    :param workspace: the gateway workspace; default ``default``.
-    :param image: image of new sandboxes; default ``python:3.12-slim``. It needs ``sh``, ``setsid``
-        and ``sleep``, and ``stat``, ``head``, ``find``, ``mktemp`` for files.
-    :param cpu: CPU limit (Kubernetes quantity); default ``"1"``.
-    :param memory: memory limit (Kubernetes quantity); default ``"2Gi"``.
-    :param sandbox_timeout: seconds a sandbox may live (commands are cut to what is left;
-        :meth:`remove_expired` deletes it after); default 3600.
-    :param ready_timeout: seconds a new sandbox may take to become ready; default 120.
-    :param request_timeout: seconds one gateway call may take; default 30.
-    :param relay_grace: seconds past a command's deadline before a silent gateway is given up on and
-        the sandbox destroyed; default 30.
     :raises ValueError: for a setting of the wrong type or out of bounds.
     """
 
@@ -157,19 +145,7 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
     ) -> None:
         super().__init__(**kwargs)
         self.openshell_conn_id = check_conn_id(openshell_conn_id, "openshell_conn_id")
-        self._args = self.settings.check_args(
-            {
-                "gateway": gateway,
-                "workspace": workspace,
-                "image": image,
-                "cpu": cpu,
-                "memory": memory,
-                "sandbox_timeout": sandbox_timeout,
-                "ready_timeout": ready_timeout,
-                "request_timeout": request_timeout,
-                "relay_grace": relay_grace,
-            }
-        )
+        self._args = self.settings.arguments(locals())
         self._lock = threading.Lock()
         self._client_obj: Any = None
         self._settings_obj: dict[str, Any] | None = None
@@ -208,10 +184,10 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
                 "The OpenShell sandbox backend needs the openshell package: "
                 "pip install 'airflow-provider-sandbox[openshell]'."
             ) from err
-        timeout = settings["request_timeout"]
+        timeout, gateway = settings["request_timeout"], settings["gateway"]  # gateway: without a host only
         if not settings["host"]:
             try:
-                return openshell.SandboxClient.from_active_cluster(cluster=settings["gateway"], timeout=timeout)
+                return openshell.SandboxClient.from_active_cluster(cluster=gateway, timeout=timeout)
             except openshell.SandboxError as err:
                 raise SandboxTerminalError(
                     f"No OpenShell gateway to use: {err}. Give the connection {self.openshell_conn_id!r} a host, or "

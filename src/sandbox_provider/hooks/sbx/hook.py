@@ -121,19 +121,6 @@ class SbxSandboxHook(ShellFiles, SandboxHook):
     the settings below, which the hook arguments override.
 
     :param sbx_conn_id: the Airflow connection to read, if defined.
-    :param image: template image of new sandboxes; default ``python:3.12-slim``. It needs ``sh``,
-        ``setsid``, ``sleep``, ``mktemp``, and ``stat``, ``head``, ``find`` for files.
-    :param memory: memory per sandbox in binary units (``"2g"``, ``"1536m"``); at least 1 GiB; default ``"2g"``.
-    :param cpus: CPUs per sandbox; default what sbx picks.
-    :param sbx_path: the CLI, a name on ``PATH`` or a path; default ``sbx``.
-    :param host_network_policy: what ``sbx policy`` on the worker host is: ``"deny-all"``,
-        ``"allow-all"`` or ``"unknown"`` (default). Only ``"deny-all"`` allows ``block_network=True``
-        and ``allow_egress_to``.
-    :param create_timeout: seconds ``sbx create`` may take; default 600.
-    :param cli_grace: seconds past a command's deadline the CLI may take to return before the
-        sandbox is destroyed; default 30.
-    :param sandbox_timeout: seconds a sandbox may live; default 3600. Nothing in sbx enforces it:
-        commands are cut to what is left, and :meth:`remove_expired` removes it after.
     :raises ValueError: for a setting of the wrong type or out of bounds, or less than 1 GiB of memory.
     """
 
@@ -158,18 +145,7 @@ class SbxSandboxHook(ShellFiles, SandboxHook):
     ) -> None:
         super().__init__(**kwargs)
         self.sbx_conn_id = check_conn_id(sbx_conn_id, "sbx_conn_id")
-        self._args = self.settings.check_args(
-            {
-                "image": image,
-                "memory": memory,
-                "cpus": cpus,
-                "sbx_path": sbx_path,
-                "host_network_policy": host_network_policy,
-                "create_timeout": create_timeout,
-                "cli_grace": cli_grace,
-                "sandbox_timeout": sandbox_timeout,
-            }
-        )
+        self._args = self.settings.arguments(locals())
         if memory is not None:
             _check_memory(memory, "memory")
         self._lock = threading.Lock()
