@@ -1,7 +1,7 @@
 """
 Plumbing the backends with a connection of their own share: checking the connection id, reading the
 connection and resolving settings over its extras; and what the hosted-service backends (Islo, Boat)
-share: a retry loop that never outlasts its deadline, ``Retry-After`` parsing, the errors an answer's
+share: a retry loop that never outlasts its deadline (tenacity's), ``Retry-After`` parsing, the errors an answer's
 status means, and the check of a service URL before an API key is sent to it.
 """
 
@@ -14,6 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
+
+import tenacity
 
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 
@@ -69,22 +71,28 @@ def call(
     before ``until`` (and at most ``attempts`` calls in all, when given). Pauses grow from 0.5 s to
     8 s, or last what ``retry_after(err)`` asks, and a pause that would end past ``until`` is not taken.
 
+    The loop is tenacity's; the deadline and ``Retry-After`` are its stop and wait.
+
     :raises: the last failure, when it may not be retried or time or attempts ran out.
     """
-    pause = FIRST_PAUSE
-    made = 0
-    while True:
-        made += 1
-        try:
-            return fn()
-        except Exception as err:
-            if not retry(err) or (attempts is not None and made >= attempts):
-                raise
-            wait = max(pause, retry_after(err) or 0.0)
-            if clock() + wait >= until:
-                raise
-            sleep(wait)
-            pause = min(pause * 2, LONGEST_PAUSE)
+
+    def pause(state: tenacity.RetryCallState) -> float:
+        backoff = min(FIRST_PAUSE * 2 ** (state.attempt_number - 1), LONGEST_PAUSE)
+        failure = state.outcome.exception() if state.outcome is not None else None
+        return max(backoff, (retry_after(failure) if failure is not None else None) or 0.0)
+
+    def stop(state: tenacity.RetryCallState) -> bool:
+        spent = attempts is not None and state.attempt_number >= attempts
+        return spent or clock() + pause(state) >= until
+
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception(lambda err: isinstance(err, Exception) and retry(err)),
+        stop=stop,
+        wait=pause,
+        sleep=sleep,
+        reraise=True,
+    )
+    return retrying(fn)
 
 
 def check_service_url(url: str, what: str) -> str:
