@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import threading
@@ -34,14 +37,16 @@ def test_the_command_finds_the_port_listening_and_keeps_its_status(tmp_path):
     threading.Thread(target=answer, daemon=True).start()
     port = free_port()
     command = f"python3 -c \"import socket; print(socket.create_connection(('127.0.0.1', {port})).recv(100).decode())\"; exit 7"
-    done = subprocess.run(
-        ["sh", "-c", guest.program("egress_forward.sh"), "sandbox-egress", str(port), path, "sh", "-c", command],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    server.close()
-    assert (done.returncode, done.stdout) == (7, "from-the-socket\n"), done.stderr
+    argv = ["sh", "-c", guest.program("egress_forward.sh"), "sandbox-egress", str(port), path, "sh", "-c", command]
+    # In a sandbox socat ends with the command's PID namespace; on the host, with the session made here.
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        server.close()
+    assert (proc.returncode, stdout) == (7, "from-the-socket\n"), stderr
 
 
 def test_a_forwarder_that_does_not_start_stops_the_command(tmp_path):
