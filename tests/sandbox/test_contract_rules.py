@@ -150,3 +150,11 @@ def test_a_stand_in_without_a_connection_type_keeps_the_contract_wording(tmp_pat
         capabilities: ClassVar[Capabilities] = Capabilities(egress_hosts=True)
 
     assert _Plain(str(tmp_path)).network_description(OPEN) == "This sandbox has outbound network access."
+
+
+def test_a_read_of_the_hooks_own_arguments_is_recorded_too():
+    hook = _ToyHook(size=3)
+    _ToyHook.settings.read.discard("size")
+    assert hook._args.get("size") == 3 and "size" in _ToyHook.settings.read
+    with pytest.raises(KeyError, match="'quota' is no argument of this hook: it is read from the connection"):
+        hook._args.get("quota")

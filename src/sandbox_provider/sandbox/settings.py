@@ -201,19 +201,23 @@ class SettingsTable:
     def names(self) -> tuple[str, ...]:
         return tuple(self._settings)
 
-    def check_args(self, args: Mapping[str, Any]) -> dict[str, Any]:
+    def check_args(self, args: Mapping[str, Any]) -> ResolvedSettings:
         """
         Check hook arguments (None for "not given") at construction, so a Dag file fails at parse time.
-        A path-like value of a string setting is taken as its path.
+        A path-like value of a string setting is taken as its path. Reads of what it returns are
+        recorded, as those of :meth:`resolve`'s values are.
 
         :raises ValueError: for a value of the wrong kind or out of bounds, naming the argument.
         """
         unknown = sorted(set(args) - set(self._settings))
         if unknown:
             raise ValueError(f"not settings of this backend: {unknown!r}")
-        return {name: self._settings[name].check(value, name, strict=True) for name, value in args.items()}
+        checked = ResolvedSettings(self)
+        for name, value in args.items():
+            checked[name] = self._settings[name].check(value, name, strict=True)
+        return checked
 
-    def arguments(self, given: Mapping[str, Any]) -> dict[str, Any]:
+    def arguments(self, given: Mapping[str, Any]) -> ResolvedSettings:
         """
         The hook arguments among ``given`` (a constructor's ``locals()``) that are settings of this
         table, checked as :meth:`check_args` does. A setting the constructor does not take is read
@@ -234,9 +238,10 @@ class SettingsTable:
         """
         extra = extra or {}
         _warn_unknown(extra, self._settings, conn_id)
+        given = dict(args.items())  # not a read of the hook's: nothing is recorded
         values = ResolvedSettings(self)
         for name, setting in self._settings.items():
-            value = args.get(name)
+            value = given.get(name)
             if value is None and name in extra:
                 where = f"Connection {conn_id!r} extra {name!r}" if conn_id else f"extra {name!r}"
                 value = setting.check(extra[name], where)
@@ -309,6 +314,8 @@ class ResolvedSettings(dict[str, Any]):
         return super().get(name, default)
 
     def _unknown(self, name: str) -> str:
+        if name in self.table:
+            return f"{name!r} is no argument of this hook: it is read from the connection, in the resolved settings."
         return (
             f"{name!r} is no setting of this backend (it reads {', '.join(sorted(self))}): add "
             f"Setting({name!r}, ...) to its settings table (hooks/forms/<backend>.py), or fix the name."

@@ -184,14 +184,14 @@ def container_config(api: Any, settings: Mapping[str, Any], request: Any) -> dic
 
 def host_config(api: Any, settings: Mapping[str, Any], *, block_network: bool, run_as_root: bool) -> dict:
     """The host config of a sandbox container: no init (the keeper is PID 1), auto-remove, limits."""
-    memory = int(settings["memory_bytes"])
+    memory, network = int(settings["memory_bytes"]), settings["network"]  # network: with block_network=False
     extra: dict[str, Any] = {}
     if settings.get("disk_bytes"):
         extra["storage_opt"] = {"size": str(int(settings["disk_bytes"]))}
     return api.create_host_config(
         init=False,
         auto_remove=True,
-        network_mode="none" if block_network else settings["network"],
+        network_mode="none" if block_network else network,
         cap_drop=["ALL"],
         cap_add=list(ROOT_CAPABILITIES if run_as_root else KEEPER_CAPABILITIES),
         security_opt=["no-new-privileges"],
