@@ -16,12 +16,9 @@ import posixpath
 import tarfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, Protocol
+from typing import IO, Protocol
 
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError
-
-if TYPE_CHECKING:
-    from sandbox_provider.sandbox.hook import SandboxHook
 
 __all__ = [
     "ExportBudget",
@@ -269,7 +266,17 @@ def _copy_member(archive: tarfile.TarFile, member: tarfile.TarInfo, sink: Export
 # -- the defaults: one file at a time -------------------------------------------------------------------
 
 
-def default_import_batch(hook: SandboxHook, handle: str, entries: Sequence[ImportEntry]) -> int:
+class FileMoves(Protocol):
+    """What the default batches use of a hook: its one-file operations (a ``SandboxHook`` has them)."""
+
+    def import_file(self, handle: str, path: str, source: IO[bytes]) -> int: ...
+
+    def export_file(self, handle: str, path: str, stream: IO[bytes], *, max_bytes: int) -> int: ...
+
+    def list_directory(self, handle: str, path: str = ".") -> list[tuple[str, bool]]: ...
+
+
+def default_import_batch(hook: FileMoves, handle: str, entries: Sequence[ImportEntry]) -> int:
     """Write each entry with ``hook.import_file``; return the bytes written."""
     total = 0
     for entry in entries:
@@ -282,7 +289,7 @@ def default_import_batch(hook: SandboxHook, handle: str, entries: Sequence[Impor
 
 
 def default_export_batch(
-    hook: SandboxHook, handle: str, requests: Sequence[ExportRequest], sink: ExportSink, *, limits: ExportLimits
+    hook: FileMoves, handle: str, requests: Sequence[ExportRequest], sink: ExportSink, *, limits: ExportLimits
 ) -> int:
     """Copy each request's files with ``hook.export_file``, walking trees with ``list_directory``."""
     budget = ExportBudget(limits)
