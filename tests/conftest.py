@@ -35,7 +35,7 @@ for _folder in [_TESTS, *sorted(e.path for e in os.scandir(os.path.join(_TESTS, 
         sys.path.append(_folder)
 
 #: Fixtures shared across test folders.
-pytest_plugins = ["scripted_model"]
+pytest_plugins = ["scripted_model", "pid_namespace"]
 
 
 @pytest.fixture
@@ -254,3 +254,64 @@ def kubernetes_cluster():
         kubernetes_unavailable(f"the cluster of {path} has no Ready node")
     yield api
     api.api_client.close()
+
+
+#: The image the test sandboxes run: the sandbox image the Docker Engine under the kubelet has.
+KUBERNETES_CONN_ID = "kubernetes_sandbox_test"
+#: The user the cluster's token file names for the worker: no rights until a RoleBinding grants some.
+KUBERNETES_WORKER = "airflow-sandbox-worker"
+
+
+@pytest.fixture(scope="session")
+def kubernetes_namespace(kubernetes_cluster):
+    """
+    A namespace of this test session's own, where the worker's identity has exactly the Role shipped in
+    ``hooks/kubernetes/rbac.yaml`` (bound to the worker's token user); deleted, with what is in it, at the end.
+    """
+    import uuid
+    from importlib import resources
+
+    import yaml
+    from kubernetes import client
+
+    name = f"sandbox-test-{uuid.uuid4().hex[:8]}"
+    kubernetes_cluster.create_namespace({"metadata": {"name": name}})
+    rbac = client.RbacAuthorizationV1Api(kubernetes_cluster.api_client)
+    text = resources.files("sandbox_provider.hooks.kubernetes").joinpath("rbac.yaml").read_text()
+    role = next(doc for doc in yaml.safe_load_all(text) if doc["kind"] == "Role")
+    rbac.create_namespaced_role(name, role)
+    binding = {
+        "metadata": {"name": "airflow-sandbox-worker"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": KUBERNETES_WORKER}],
+    }
+    rbac.create_namespaced_role_binding(name, binding)
+    yield name
+    kubernetes_cluster.delete_namespace(name, grace_period_seconds=1)
+
+
+@pytest.fixture(scope="session")
+def kubernetes_conn(kubernetes_namespace):
+    """
+    An Airflow connection of type ``kubernetes`` (the cncf provider's) as the worker: its kubeconfig, the
+    test namespace, the sandbox image, small requests (a 2-core node holds 20 sandboxes). The test cluster
+    has no network plugin that enforces NetworkPolicy; the connection declares one so that the specs that
+    need a policy are provisioned and the policy sent can be checked (the tests say which checks are of
+    the objects only).
+    """
+    value = {
+        "conn_type": "kubernetes",
+        "extra": {
+            "kube_config_path": os.path.join(KUBERNETES_STATE, "worker.kubeconfig"),
+            "namespace": kubernetes_namespace,
+            "image": DOCKER_IMAGE,
+            "image_pull_policy": "Never",
+            "cpu_request": 0.05,
+            "memory_bytes": 512 * 1024 * 1024,
+            "memory_request_bytes": 32 * 1024 * 1024,
+            "network_policy_enforced": True,
+        },
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(f"AIRFLOW_CONN_{KUBERNETES_CONN_ID.upper()}", json.dumps(value))
+        yield KUBERNETES_CONN_ID

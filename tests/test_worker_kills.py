@@ -190,7 +190,7 @@ def processes_of(handle: str) -> list[str]:
     return found
 
 
-BACKENDS = [pytest.param("local", marks=requires_bwrap), pytest.param("docker", marks=pytest.mark.docker)]
+BACKENDS = [pytest.param("local", marks=requires_bwrap), pytest.param("docker", marks=pytest.mark.docker), "kubernetes"]
 
 
 @pytest.fixture(params=BACKENDS)
@@ -199,6 +199,16 @@ def backend(request):
     if request.param == "local":
         state = Path(request.getfixturevalue("instance")[1]["TEST_STATE_ROOT"])
         return {"TEST_BACKEND": "local"}, lambda handle: processes_of(handle) or (state / handle).exists()
+    if request.param == "kubernetes":
+        conn = request.getfixturevalue("kubernetes_conn")
+        core = request.getfixturevalue("kubernetes_cluster")
+        namespace = request.getfixturevalue("kubernetes_namespace")
+
+        def pods(handle):
+            found = core.list_namespaced_pod(namespace, field_selector=f"metadata.name={handle}").items
+            return [p.metadata.name for p in found if p.metadata.deletion_timestamp is None]
+
+        return {"TEST_BACKEND": conn, f"AIRFLOW_CONN_{conn.upper()}": os.environ[f"AIRFLOW_CONN_{conn.upper()}"]}, pods
     conn = request.getfixturevalue("docker_conn")
     client = request.getfixturevalue("docker_client")
 
@@ -255,7 +265,7 @@ def test_the_next_try_ends_what_a_killed_try_left(instance, backend, victim, req
     assert not still_there(handle), f"try 1's sandbox {handle} still runs beside try 2"
     assert second.finish() == 0, second.output()
     events = second.events()
-    ended = f"Ended sandbox {handle} on backend {'local' if env['TEST_BACKEND'] == 'local' else 'docker'}"
+    ended = f"Ended sandbox {handle} on backend {request.node.callspec.params['backend']}"
     if victim == "task process":
         # Nothing of try 1 could clean up: try 2 found its sandbox by its stamps and ended it.
         assert any(e.startswith(ended) and "try 1 of this task" in e for e in events), events

@@ -22,7 +22,7 @@ __all__ = ["BACKENDS", "HOOK_CLASSES", "connection_types", "get_sandbox_hook", "
 
 #: Every backend: its hook as ``"module:ClassName"``, and the module of its connection form
 #: (``hooks/forms/<backend>.py``, which imports nothing of Airflow), or None for a backend on another
-#: provider's connection type (Modal's ``modal``).
+#: provider's connection type (Modal's ``modal``, the cncf provider's ``kubernetes``).
 BACKENDS: dict[str, str | None] = {
     "sandbox_provider.hooks.local:LocalSandboxHook": "sandbox_provider.hooks.forms.local",
     "sandbox_provider.hooks.docker:DockerSandboxHook": "sandbox_provider.hooks.forms.docker",
@@ -32,6 +32,7 @@ BACKENDS: dict[str, str | None] = {
     "sandbox_provider.hooks.opensandbox:OpenSandboxHook": "sandbox_provider.hooks.forms.opensandbox",
     "sandbox_provider.hooks.openshell:OpenShellSandboxHook": "sandbox_provider.hooks.forms.openshell",
     "sandbox_provider.hooks.sbx:SbxSandboxHook": "sandbox_provider.hooks.forms.sbx",
+    "sandbox_provider.hooks.kubernetes:KubernetesSandboxHook": None,
 }
 #: Every backend's hook, as ``"module:ClassName"``.
 HOOK_CLASSES: tuple[str, ...] = tuple(BACKENDS)

@@ -47,6 +47,8 @@ LAZY: dict[str, str] = {
     "OpenShellSandboxBackend": "sandbox_provider.hooks.openshell:OpenShellSandboxBackend",
     "SbxSandboxHook": "sandbox_provider.hooks.sbx:SbxSandboxHook",
     "SbxSandboxBackend": "sandbox_provider.hooks.sbx:SbxSandboxBackend",
+    "KubernetesSandboxHook": "sandbox_provider.hooks.kubernetes:KubernetesSandboxHook",
+    "KubernetesSandboxBackend": "sandbox_provider.hooks.kubernetes:KubernetesSandboxBackend",
 }
 
 __all__ = [

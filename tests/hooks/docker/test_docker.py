@@ -34,6 +34,7 @@ docker = pytest.importorskip("docker")
 
 from conftest import DOCKER_CONN_ID as CONN_ID  # noqa: E402
 from conftest import DOCKER_IMAGE  # noqa: E402
+from escapes import COMMAND_ENDS, DAEMON_ESCAPES  # noqa: E402
 from sandbox_provider.hooks.docker import driver  # noqa: E402
 from sandbox_provider.hooks.docker.hook import (  # noqa: E402
     MAX_COMMAND_SECONDS,
@@ -260,16 +261,8 @@ def test_timeout_kills_the_tree_and_keeps_the_sandbox(docker_hook, docker_sandbo
     assert sh(docker_hook, docker_sandbox, "echo still here").stdout == "still here\n"
 
 
-@pytest.mark.parametrize(
-    "escape",
-    [
-        "setsid sh -c 'sleep 300' > /dev/null 2>&1 &",
-        "nohup sh -c 'sleep 300' > /dev/null 2>&1 &",
-        "(setsid sh -c 'trap \"\" TERM HUP; (setsid sleep 300 &); sleep 300' &);",
-    ],
-    ids=["setsid", "nohup", "double-fork"],
-)
-@pytest.mark.parametrize("ends", ["by-itself", "at-deadline"])
+@DAEMON_ESCAPES
+@COMMAND_ENDS
 def test_nothing_a_command_started_outlives_it(docker_hook, docker_sandbox, escape, ends):
     tail = "exit 0" if ends == "by-itself" else "sleep 60"
     result = sh(docker_hook, docker_sandbox, f"{escape} {tail}", timeout=3)

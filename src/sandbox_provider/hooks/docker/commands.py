@@ -9,7 +9,10 @@ sandbox's command user, one at a time per sandbox, and the sandbox is swept afte
   the exec's standard streams (see :mod:`~sandbox_provider.hooks.docker.exec`), never through a tail
   buffer.
 - A batch (``import_batch``, ``export_batch``, files staged with a command) is one exec per
-  direction: tar through the exec, as the command user (see :mod:`~sandbox_provider.hooks.docker.batch`).
+  direction: tar through the exec, as the command user (see :mod:`~sandbox_provider.sandbox.batch_stream`).
+  Not the Engine's archive API: it runs as root, outside the sandbox's view, so it would write where
+  the command user cannot and follow symbolic links by its own rules, and a command could plant a link
+  that turns a later transfer against the keeper's own files.
 - The first program in a new sandbox waits inside for the keeper (``guest/docker_wait.sh``), so
   creating a sandbox costs no request to look for it.
 - A staged command can read back the file its caller reads next (``run_command(read_back=...)``,
@@ -26,20 +29,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any, cast
 
-from sandbox_provider.hooks.docker import batch, driver
+from sandbox_provider.hooks.docker import driver
 from sandbox_provider.hooks.docker import exec as docker_exec
+from sandbox_provider.sandbox import batch_stream as batch
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.batch import (
-    ExportLimits,
-    ExportRequest,
-    ExportSink,
     ImportEntry,
-    default_export_batch,
 )
+from sandbox_provider.sandbox.batch_stream import check_utf8_command
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
-from sandbox_provider.sandbox.files import file_failure
 from sandbox_provider.sandbox.hook import FILE_OP_TIMEOUT, OutputSink, RunOutcome
-from sandbox_provider.sandbox.spec import WORKDIR_TAG, SandboxExecResult, check_byte_count, check_path
+from sandbox_provider.sandbox.spec import WORKDIR_TAG, check_byte_count
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def _engine_errors() -> tuple[type[BaseException], ...]:
     return (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
 
 
-class DockerExec:
+class DockerExec(batch.ExecTransfers):
     """Mixin: ``_run``, file operations and batch transfers over exec; put it first in the bases."""
 
     if TYPE_CHECKING:
@@ -227,11 +227,7 @@ class DockerExec:
         return True
 
     def _run(self, handle: str, command: str, *, timeout: float, output: OutputSink) -> RunOutcome:
-        if not driver.is_utf8(command):
-            raise SandboxError(
-                "command must be valid UTF-8 text; it holds characters that cannot be encoded (undecodable "
-                "bytes carried as surrogates)."
-            )
+        check_utf8_command(command)
         self._read_back_paths.pop(handle, None)  # read back only by a staged run's runner, whose allowance has room
         argv = driver.runner_argv(command, timeout)
 
@@ -241,42 +237,12 @@ class DockerExec:
         outcome, _ = self._exec(handle, argv, timeout=float(driver.deadline_arg(timeout)), on_output=deliver)
         return outcome
 
-    def _stream_script(
-        self,
-        handle: str,
-        program: str,
-        *args: object,
-        timeout: float,
-        on_stdout: Any = None,
-        stdin: IO[bytes] | None = None,
-        stdin_size: int = 0,
-    ) -> tuple[SandboxExecResult, int]:
-        # File operations: the shared guest programs, run as the command user like any command. The
-        # bytes of standard output go straight to on_stdout, never through a tail buffer.
-        handle = self.check_handle(handle)
-        budget = self._deadline(handle, timeout)
-        sink = OutputSink(64 * 1024)
+    def _op_argv(self, program: str, args: Sequence[str]) -> list[str]:
+        return driver.op_argv(guest.program(program), program, *args)
 
-        def deliver(stream: int, data: bytes) -> None:
-            if stream == 2:
-                sink.stderr(data)
-            elif on_stdout is not None:
-                on_stdout(data)
-            else:
-                sink.stdout(data)
-
-        argv = driver.op_argv(guest.program(program), program, *map(str, args))
-        outcome, read = self._exec(handle, argv, timeout=budget, on_output=deliver, stdin=stdin, stdin_size=stdin_size)
-        return sink.result(outcome, budget), read
-
-    def _check_path(self, path: str) -> str:
-        check_path(path)
-        if not driver.is_utf8(path):
-            raise SandboxError(
-                f"{path!r} is not valid UTF-8 (it carries undecodable bytes as surrogates); paths in a Docker "
-                "sandbox must be valid UTF-8 text."
-            )
-        return path
+    def _archive_owner(self, handle: str) -> tuple[int, int]:
+        uid, _, gid = self._labels(handle)[driver.USER_LABEL].partition(":")
+        return int(uid), int(gid or uid)
 
     def list_directory(self, handle: str, path: str = ".") -> list[tuple[str, bool]]:
         """
@@ -286,43 +252,12 @@ class DockerExec:
         """
         return super().list_directory(handle, self._check_path(path))  # type: ignore[misc]
 
-    # -- batch transfers: one exec per direction (see batch.py) -------------------------------------
-
-    def _archive(self, handle: str, entries: Sequence[ImportEntry]) -> batch.ImportArchive:
-        for entry in entries:
-            self._check_path(entry.path)
-        uid, _, gid = self._labels(handle)[driver.USER_LABEL].partition(":")
-        return batch.ImportArchive(entries, uid=int(uid), gid=int(gid or uid))
-
-    def import_batch(self, handle: str, entries: Sequence[ImportEntry]) -> int:
-        """
-        Write every entry in one exec: a tar archive built as it streams, extracted in the sandbox
-        by GNU ``tar`` as the command user (parent directories made, a file or symlink at a path
-        replaced, symlinks above it resolved as a command meets them). Returns the bytes written.
-
-        :raises SandboxError: naming the entry, for a path that cannot be written or a source that
-            did not hold its size; :raises SandboxTerminalError: if the sandbox is gone.
-        """
-        handle = self.check_handle(handle)
-        if not entries:
-            return 0
-        archive = self._archive(handle, entries)
-        allowance = max(FILE_OP_TIMEOUT, archive.size / self.min_transfer_rate)
-        result, _ = self._stream_script(
-            handle, "stage.sh", timeout=allowance, stdin=cast(IO[bytes], archive), stdin_size=archive.size
-        )
-        if archive.error is not None:
-            raise archive.error
-        if result.timed_out or result.sandbox_terminated:
-            raise file_failure(result, "the staged files", "writing")
-        if not result.ok:
-            raise batch.import_failure(entries, result.stderr)
-        return sum(int(entry.size) for entry in entries)
+    # -- batch transfers: one exec per direction (see sandbox/batch_stream.py) -------------------------
 
     def _read_back_hint(self, handle: str, path: str) -> None:
         # The runner of the next command reads the file back on its trailer, which only a command
         # user's runner can vouch for (a root command could read its token and forge it).
-        if self._labels(handle)[driver.USER_LABEL] != "0:0" and driver.is_utf8(path):
+        if self._labels(handle)[driver.USER_LABEL] != "0:0" and batch.is_utf8(path):
             self._read_back_paths[handle] = path
 
     def read_file(self, handle: str, path: str, *, max_bytes: int) -> bytes:
@@ -348,60 +283,18 @@ class DockerExec:
         # command, then reads back the file the caller reads next, if it named one.
         read_back = self._read_back_paths.pop(handle, None)
         archive = self._archive(handle, stage)
-        errors = bytearray()
-
-        def deliver(stream: int, data: bytes) -> None:
-            if stream == 2 and len(errors) < 64 * 1024:
-                errors.extend(data)
-            (output.stderr if stream == 2 else output.stdout)(data)
-
+        errors = batch.StagedErrors(output)
         argv = driver.runner_argv(command, timeout, staged=True, read_back=read_back)
         allowance = float(driver.deadline_arg(timeout)) + max(FILE_OP_TIMEOUT, archive.size / self.min_transfer_rate)
         outcome, _ = self._exec(
             handle,
             argv,
             timeout=allowance,
-            on_output=deliver,
+            on_output=errors.deliver,
             stdin=cast(IO[bytes], archive),
             stdin_size=archive.size,
             read_back=read_back,
             command_seconds=float(driver.deadline_arg(timeout)),
         )
-        if archive.error is not None:
-            raise archive.error
-        text = errors.decode(errors="replace")
-        if outcome.exit_code == batch.STAGE_FAILED_STATUS and batch.STAGE_FAILED_MARK in text.splitlines():
-            raise batch.import_failure(stage, text)
+        errors.check(stage, archive, outcome.exit_code)
         return outcome
-
-    def export_batch(
-        self, handle: str, requests: Sequence[ExportRequest], sink: ExportSink, *, limits: ExportLimits
-    ) -> int:
-        """
-        Copy what every request names out in one exec: one file alone streams as it is (see
-        :meth:`export_file`); anything else comes as tar archives written in the sandbox by GNU
-        ``tar`` as the command user (symlinks followed as it sees them), every member checked
-        before its bytes reach ``sink``. Returns the bytes exported.
-
-        :raises SandboxFileTooLargeError: over a limit; :raises SandboxError: missing, wrong kind,
-            hostile member; :raises SandboxTerminalError: if the sandbox is gone.
-        """
-        handle = self.check_handle(handle)
-        for request in requests:
-            self._check_path(request.path)
-        if len(requests) == 1 and requests[0].kind == "file":
-            return default_export_batch(cast(Any, self), handle, requests, sink, limits=limits)
-        pipe = batch.ArchivePipe(requests, sink, limits)
-        allowance = max(FILE_OP_TIMEOUT, limits.max_total_bytes / self.min_transfer_rate)
-        arguments = batch.export_arguments(requests)
-        try:
-            result, _ = self._stream_script(
-                handle, "export_tree.sh", *arguments, timeout=allowance, on_stdout=pipe.write
-            )
-        finally:
-            pipe.finish()
-        if result.timed_out or result.sandbox_terminated:
-            raise file_failure(result, "the export", "exporting")
-        if not result.ok:
-            raise batch.export_failure(requests, result.exit_code, result.stderr)
-        return pipe.total

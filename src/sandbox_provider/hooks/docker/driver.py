@@ -517,12 +517,3 @@ def expiry_of(labels: Mapping[str, str]) -> float:
     except (KeyError, ValueError):
         return math.inf
     return math.inf if math.isnan(expires) else expires
-
-
-def is_utf8(text: str) -> bool:
-    """False for a string carrying undecodable bytes as surrogates (``os.fsdecode`` of non-UTF-8 names)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True

@@ -1,0 +1,125 @@
+"""
+Guest programs run on the host in a PID namespace of their own (bubblewrap), with the host's files
+read-only, for the programs that end processes with ``kill(-1)``: what that reaches is only what the
+test started there. Processes are observed from the host, by their PID namespace, so nothing inside can
+fake what the test sees. The ``in_namespace`` fixture is registered for every test (``conftest.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+BWRAP = shutil.which("bwrap")
+#: A sleep duration no other process on the host has in its command line (a valid one, so it sleeps).
+MARK = f"299.0{os.getpid()}"
+
+
+class Namespace:
+    """One command in a PID namespace of its own; ``pid`` is its host PID."""
+
+    def __init__(self, tmp_path, script: str, *args: str, pid1: bool) -> None:
+        (tmp_path / "prog.sh").write_text(script)
+        read_fd, write_fd = os.pipe()
+        argv = [BWRAP or "bwrap", "--ro-bind", "/", "/", "--bind", str(tmp_path), str(tmp_path)]
+        argv += ["--proc", "/proc", "--dev", "/dev", "--unshare-pid", "--die-with-parent", "--chdir", str(tmp_path)]
+        if os.geteuid() != 0:
+            argv.append("--unshare-user")
+        if pid1:
+            argv.append("--as-pid-1")
+        argv += ["--info-fd", str(write_fd), "--", "/bin/sh", str(tmp_path / "prog.sh"), *args]
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(write_fd,), start_new_session=True
+        )
+        os.close(write_fd)
+        with os.fdopen(read_fd) as info:
+            self.pid = json.loads(info.read() or "{}").get("child-pid")
+        assert self.pid, self.proc.communicate(timeout=10)
+        self.ns = os.readlink(f"/proc/{self.pid}/ns/pid")
+
+    def members(self) -> dict[int, tuple[str, str]]:
+        """Host PID -> (state, command line) of every live process in the namespace."""
+        found = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                if os.readlink(f"/proc/{entry}/ns/pid") != self.ns:
+                    continue
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    state = f.read().rsplit(b")", 1)[1].split()[0].decode()
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if state != "Z":
+                found[int(entry)] = (state, cmdline)
+        return found
+
+    def marked(self) -> list[str]:
+        return sorted(cmd for _, cmd in self.members().values() if MARK in cmd)
+
+    def zombies(self) -> int:
+        count = 0
+        for entry in os.listdir("/proc"):
+            try:
+                if entry.isdigit() and os.readlink(f"/proc/{entry}/ns/pid") == self.ns:
+                    with open(f"/proc/{entry}/stat", "rb") as f:
+                        count += f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+            except OSError:
+                continue
+        return count
+
+    def wait(self, timeout: float) -> tuple[int, str, str]:
+        out, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out.decode(), err.decode()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.communicate(timeout=10)
+
+
+def until(predicate, timeout: float = 10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    return predicate()
+
+
+#: PID 1 of a runner's namespace: runs the program given ("$1") with the rest of the arguments, keeps
+#: its status and output in files, then stays, so that what the program left behind can be seen.
+_RUNNER_HOST = 'p=$1; shift; sh "$p" "$@" > out 2> err; echo $? > rc; exec sleep 60\n'
+
+
+def run_in_namespace(tmp_path, program: str, *args: str) -> tuple[Namespace, tuple[int, str, str]]:
+    (tmp_path / "program.sh").write_text(program)
+    ns = Namespace(tmp_path, _RUNNER_HOST, str(tmp_path / "program.sh"), *args, pid1=True)
+    rc = tmp_path / "rc"
+    assert until(lambda: rc.exists() and rc.read_text().strip(), timeout=30), ns.members()
+    return ns, (int(rc.read_text()), (tmp_path / "out").read_text(), (tmp_path / "err").read_text())
+
+
+@pytest.fixture
+def in_namespace(tmp_path):
+    started: list[Namespace] = []
+
+    def run(program: str, *args: str) -> tuple[Namespace, tuple[int, str, str]]:
+        for name in ("rc", "out", "err"):
+            (tmp_path / name).unlink(missing_ok=True)
+        ns, result = run_in_namespace(tmp_path, program, *args)
+        started.append(ns)
+        return ns, result
+
+    yield run
+    for ns in started:
+        ns.close()
