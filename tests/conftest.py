@@ -26,7 +26,7 @@ import pytest  # noqa: E402
 #: tests/ is no package (pytest imports each test file by its name, its folder put first on sys.path), so
 #: the helpers a test imports from another folder are found by name too: tests/ itself (fake_hook,
 #: scripted_model, dag_runs, ...) and the folder of each backend and shared part under tests/hooks/,
-#: which holds that backend's stand-in (fake_modal, fake_islo, sbx_fixtures, openshell_gateway,
+#: which holds that backend's stand-in (modal_server, fake_islo, sbx_fixtures, openshell_gateway,
 #: opensandbox_harness, egress_servers, ...) beside its tests. Names of modules are therefore unique
 #: across tests/ (test_layout.py checks it).
 _TESTS = os.path.dirname(os.path.abspath(__file__))

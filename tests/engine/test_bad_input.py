@@ -1,20 +1,19 @@
 """
 Bad input is refused before anything is provisioned, and nothing is left half-written (issue 12).
 
-Each refusal runs on every backend the machine has (the fake, local bubblewrap, Docker, and Modal over
-its fake SDK): the backend's ``_provision`` must never be called, the message must say what to change,
+Each refusal runs on every backend the machine has (the fake, local bubblewrap, Docker, and Modal through
+its real SDK over the Modal stand-in): the backend's ``_provision`` must never be called, the message must say what to change,
 and no destination, partial or temporary file may change.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import socket
-import sys
 from unittest import mock
 
 import pytest
+from modal_server import modal_server_fixture  # noqa: F401 - the Modal stand-in's fixture
 
 from conftest import requires_bwrap
 from fake_hook import FakeSandboxHook
@@ -22,19 +21,6 @@ from sandbox_provider.engine.storage import check_storage_url
 from sandbox_provider.engine.transfer import check_transfer_map
 from sandbox_provider.operators.sandbox import SandboxOperator
 from sandbox_provider.sandbox import SandboxSession, SandboxSpec, SandboxTerminalError
-
-
-def _modal_hook(monkeypatch, tmp_path):
-    import fake_modal
-
-    mod = fake_modal.build()
-    monkeypatch.setitem(sys.modules, "modal", mod)
-    monkeypatch.setitem(sys.modules, "modal.exception", mod.exception)
-    monkeypatch.setattr(importlib.import_module("airflow.providers.modal.hooks.modal"), "modal", mod)
-    from sandbox_provider.hooks.modal import ModalSandboxHook
-
-    return ModalSandboxHook(modal_conn_id=None, workdir=str(tmp_path / "workspace"))
-
 
 BACKENDS = [
     "fake",
@@ -58,7 +44,10 @@ def hook(request, tmp_path, monkeypatch):
 
         made = DockerSandboxHook(request.getfixturevalue("docker_conn"), pull="never")
     else:
-        made = _modal_hook(monkeypatch, tmp_path)
+        from sandbox_provider.hooks.modal import ModalSandboxHook
+
+        request.getfixturevalue("modal_server")
+        made = ModalSandboxHook(modal_conn_id=None)
     made.provisioned = []
     monkeypatch.setattr(made, "_provision", lambda req: made.provisioned.append(req) or pytest.fail("provisioned"))
     return made

@@ -1,30 +1,22 @@
 """
-The Modal example Dags run end to end under dag.test(), against the fake ``modal`` of ``fake_modal.py``.
-
-The fake runs each sandbox command through the host's ``sh``. The examples work in Modal's default
-``/workspace``, so every sandbox here gets its own root under ``tmp_path`` and its ``/workspace`` paths
-(in file calls, in the working directory and in command lines) are moved under that root: nothing is
-written to the host's ``/workspace``.
+The Modal example Dags run end to end under dag.test(), through the real ``modal`` SDK against the
+Modal stand-in on loopback (``tests/hooks/modal/modal_server.py``): the tasks' commands really run in
+the stand-in's sandboxes, whose ``/workspace`` is their own.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
-import re
-import sys
-from pathlib import Path
 
-import fake_modal
 import pytest
+from modal_server import ModalServer, modal_server_fixture, sandbox_rpc  # noqa: F401 - the stand-in's fixture
 
 from dag_runs import task_states
 
 MODAL_FILE = "example_sandbox_modal.py"
 GUEST_WORKDIR = "/workspace"
-TOKEN = ("ak-example-token", "as-example-secret")
-_GUEST_PATH = re.compile(r"(?<![\w./-])/workspace(?=/|$|[^\w.-])")
+#: The connection's token pair, which only the stand-in knows (not the worker's ``TOKEN``).
+CONNECTION_TOKEN = ("ak-example-token", "as-example-secret")
 
 ORDERS = {  # the ORDERS table of the example, recomputed by hand
     "by_country": {"DE": 950.50, "JP": 2400.00, "US": 1425.24},
@@ -32,48 +24,12 @@ ORDERS = {  # the ORDERS table of the example, recomputed by hand
 }
 
 
-def _rooted_sandbox_class(roots: Path) -> type:
-    """A FakeSandbox whose ``/workspace`` lives in ``roots/<sandbox id>/workspace`` on the host."""
-
-    class RootedFilesystem(fake_modal.FakeFilesystem):
-        def list_files(self, remote_path: str):
-            return super().list_files(self._sandbox.host_path(remote_path))
-
-    class RootedSandbox(fake_modal.FakeSandbox):
-        def __init__(self, modal, object_id, kwargs) -> None:
-            super().__init__(modal, object_id, kwargs)
-            self.root = roots / object_id
-            self.root.mkdir(parents=True)
-            os.makedirs(self.host_path(kwargs.get("workdir") or GUEST_WORKDIR))
-            self._filesystem = RootedFilesystem(self)
-
-        def host_path(self, text: str) -> str:
-            return _GUEST_PATH.sub(lambda _: str(self.root) + GUEST_WORKDIR, text)
-
-        def put(self, remote_path: str, data: bytes) -> None:
-            super().put(self.host_path(remote_path), data)
-
-        def exec(self, *args: str, workdir: str | None = None, **kw):
-            args = tuple(self.host_path(arg) for arg in args)
-            return super().exec(*args, workdir=workdir and self.host_path(workdir), **kw)
-
-    return RootedSandbox
-
-
 @pytest.fixture
-def fake(monkeypatch, tmp_path, add_connection):
-    """A fresh fake ``modal`` for the hook and for ModalHook, running commands on the host; credentials in modal_default."""
-    monkeypatch.setattr(fake_modal, "FakeSandbox", _rooted_sandbox_class(tmp_path / "sandboxes"))
-    mod = fake_modal.build()
-    mod.Sandbox.run_on_host = True
-    monkeypatch.setitem(sys.modules, "modal", mod)
-    monkeypatch.setitem(sys.modules, "modal.exception", mod.exception)
-    provider = importlib.import_module("airflow.providers.modal.hooks.modal")
-    monkeypatch.setattr(provider, "modal", mod)
-    add_connection("modal_default", "modal", login=TOKEN[0], password=TOKEN[1])
-    # The guest scripts call python / python3: make those this interpreter, not whatever PATH finds first.
-    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    return mod
+def modal(modal_server: ModalServer, add_connection) -> ModalServer:
+    """The stand-in, with its token pair in the modal_default connection the example's hooks read."""
+    modal_server.tokens = {CONNECTION_TOKEN}
+    add_connection("modal_default", "modal", login=CONNECTION_TOKEN[0], password=CONNECTION_TOKEN[1])
+    return modal_server
 
 
 def run_modal_example(dag_id: str, **run_conf):
@@ -96,19 +52,28 @@ def run_modal_example(dag_id: str, **run_conf):
     return dag_run, xcom
 
 
-def calls_named(sandbox, name: str) -> list:
-    return [call for call in sandbox.calls if call[0] == name]
+def assert_nothing_left_running(modal: ModalServer) -> None:
+    """Every sandbox ended by a terminate call, which was the last call naming it; none is listed as running."""
+    assert modal.sandboxes and all(record.result is not None for record in modal.sandboxes.values())
+    for sandbox_id in modal.sandboxes:
+        naming = [call.rpc for call in modal.calls if getattr(call.request, "sandbox_id", None) == sandbox_id]
+        assert naming[-1] == sandbox_rpc("SandboxTerminate"), (
+            f"{sandbox_id}: a call was made after it was terminated: {naming}"
+        )
+    assert all(not running for running in modal.running_commands().values())
 
 
-def assert_nothing_left_running(fake) -> None:
-    assert all(sandbox.terminated for sandbox in fake.Sandbox.by_id.values())
-    assert list(fake.Sandbox.list()) == []
-    for sandbox in fake.Sandbox.by_id.values():
-        (terminate,) = calls_named(sandbox, "terminate")
-        assert sandbox.calls[-1] == terminate, "a call was made on the sandbox after it was terminated"
+def helper_writes(modal: ModalServer) -> set[str]:
+    """The paths the sandbox filesystem API wrote to."""
+    writes = set()
+    for request in modal.requests("TaskExecStart"):
+        args = list(request.command_args)
+        if len(args) == 2 and args[0].endswith("modal-sandbox-fs-tools") and "WriteFile" in args[1]:
+            writes.add(json.loads(args[1])["WriteFile"]["path"])
+    return writes
 
 
-def test_modal_artifact_example_writes_the_summary(migrated_airflow_db, fake, tmp_path):
+def test_modal_artifact_example_writes_the_summary(migrated_airflow_db, modal, tmp_path):
     dag_run, xcom = run_modal_example("example_sandbox_modal_artifact", output_base=tmp_path.as_uri())
     assert str(dag_run.state) == "success", task_states(dag_run)
     assert task_states(dag_run) == {"summarise": "success"}
@@ -122,25 +87,22 @@ def test_modal_artifact_example_writes_the_summary(migrated_airflow_db, fake, tm
         [total for _, total in ORDERS["top_customers"]]
     )
 
-    (create,) = fake.Sandbox.create_calls
-    assert create["block_network"] is True
-    assert not {"outbound_cidr_allowlist", "outbound_domain_allowlist"} & set(create)
-    assert create["image"].tag == "python:3.12-slim"
-    assert create["timeout"] == 900
-    assert create["workdir"] == GUEST_WORKDIR
-    assert create["client"].credentials == TOKEN
-    assert "airflow_owner" not in create["tags"]  # driven directly, shared with no other task
+    record = modal.sandbox()
+    assert record.network.blocked and not record.network.allowlist
+    assert record.image_tag == "python:3.12-slim"
+    assert record.definition.timeout_secs == 900
+    assert record.workdir == GUEST_WORKDIR
+    assert {call.token_id for call in modal.calls if call.rpc == sandbox_rpc("SandboxCreate")} == {CONNECTION_TOKEN[0]}
+    assert "airflow_owner" not in record.tags  # driven directly, shared with no other task
 
-    (sandbox,) = fake.Sandbox.by_id.values()
-    written = {call[1][1] for call in calls_named(sandbox, "filesystem.write_bytes")}
-    assert written == {"/workspace/orders.csv", "/workspace/summarise.py"}
+    assert helper_writes(modal) == {"/workspace/orders.csv", "/workspace/summarise.py"}
     # The script really ran: its output file sits in the sandbox's workspace, equal to what was exported.
-    in_sandbox = sandbox.root / "workspace" / "summary.json"
+    in_sandbox = record.path("/workspace/summary.json")
     assert in_sandbox.read_bytes() == (tmp_path / dag_run.run_id / "summary.json").read_bytes()
-    assert_nothing_left_running(fake)
+    assert_nothing_left_running(modal)
 
 
-def test_modal_attach_example_shares_one_sandbox_then_terminates_it(migrated_airflow_db, fake, tmp_path):
+def test_modal_attach_example_shares_one_sandbox_then_terminates_it(migrated_airflow_db, modal, tmp_path):
     from sandbox_provider.hooks.modal import ModalSandboxHook
     from sandbox_provider.sandbox import SandboxTerminalError
 
@@ -149,17 +111,18 @@ def test_modal_attach_example_shares_one_sandbox_then_terminates_it(migrated_air
     assert task_states(dag_run) == {"provision": "success", "analyse": "success", "collect": "success"}
 
     # One sandbox for the three tasks: provisioned once, the other tasks attached to it by handle.
-    (create,) = fake.Sandbox.create_calls
-    (sandbox,) = fake.Sandbox.by_id.values()
+    record = modal.sandbox()
     handle = xcom("provision")
-    assert handle == sandbox.object_id
-    assert create["block_network"] is True
-    assert create["timeout"] == 1800
-    assert "idle_timeout" not in create
-    assert create["client"].credentials == TOKEN
-    assert create["tags"]["dag_id"] == "example_sandbox_modal_attach"
-    assert create["tags"]["airflow_owner"] == f"example_sandbox_modal_attach/{dag_run.run_id}"
-    assert fake.Sandbox.from_id_calls and set(fake.Sandbox.from_id_calls) == {handle}
+    assert handle == record.sandbox_id
+    assert modal.count(sandbox_rpc("SandboxCreate")) == 1
+    assert record.network.blocked
+    assert record.definition.timeout_secs == 1800
+    assert not record.definition.HasField("idle_timeout_secs")
+    assert {call.token_id for call in modal.calls if call.rpc == sandbox_rpc("SandboxCreate")} == {CONNECTION_TOKEN[0]}
+    assert record.tags["dag_id"] == "example_sandbox_modal_attach"
+    assert record.tags["airflow_owner"] == f"example_sandbox_modal_attach/{dag_run.run_id}"
+    # analyse and collect found the sandbox by its id.
+    assert {r.sandbox_id for r in modal.requests(sandbox_rpc("SandboxWait")) if r.timeout == 0} == {handle}
 
     assert xcom("analyse") == {"orders": 6, "countries": 3}
     report = "# Orders report\n\n| country | revenue (USD) |\n|---|---|\n| DE | 950.50 |\n| JP | 2400.00 |\n| US | 1425.24 |\n"
@@ -171,7 +134,7 @@ def test_modal_attach_example_shares_one_sandbox_then_terminates_it(migrated_air
     assert (tmp_path / dag_run.run_id / "report.md").read_text(encoding="utf-8") == report
 
     # provision's command ran on the input it wrote (6 orders and a header).
-    assert (sandbox.root / "workspace" / "data" / "orders.csv").read_text().count("\n") == 7
-    assert_nothing_left_running(fake)
+    assert record.path("/workspace/data/orders.csv").read_text().count("\n") == 7
+    assert_nothing_left_running(modal)
     with pytest.raises(SandboxTerminalError, match="has ended"):
         ModalSandboxHook().read_tags(handle)

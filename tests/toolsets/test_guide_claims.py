@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import logging
 import socket
-import sys
 import threading
 
-import fake_modal
 import pytest
+from modal_server import modal_server_fixture  # noqa: F401 - the Modal stand-in's fixture
 from pydantic_ai import Agent
 from pydantic_ai.exceptions import UserError
 from pydantic_ai.messages import RetryPromptPart
@@ -58,43 +57,33 @@ def run(script: Script, *toolsets) -> Script:
 
 
 @pytest.fixture
-def modal_fake(monkeypatch, tmp_path):
-    """A Modal hook over the fake modal SDK, whose commands run through the host's sh in a temporary folder."""
-    import importlib
-
-    mod = fake_modal.build()
-    monkeypatch.setitem(sys.modules, "modal", mod)
-    monkeypatch.setitem(sys.modules, "modal.exception", mod.exception)
-    monkeypatch.setattr(importlib.import_module("airflow.providers.modal.hooks.modal"), "modal", mod)
-    mod.Sandbox.run_on_host = True
+def modal(modal_server):
+    """A Modal hook through the real modal SDK, over the Modal stand-in (its commands run in bubblewrap)."""
     from sandbox_provider.hooks.modal import ModalSandboxHook
 
-    (tmp_path / "workspace").mkdir()
-    return mod, ModalSandboxHook(modal_conn_id=None, workdir=str(tmp_path / "workspace"))
+    return ModalSandboxHook(modal_conn_id=None)
 
 
 @pytest.fixture(params=["local", "docker", "modal", "islo", "boat", "sbx", "openshell"])
 def backend(request, local, tmp_path, monkeypatch):
     """
-    Each backend the claims that depend on one are walked against: (name, hook, spec, fake modal
-    module or None). Docker is real; sbx is its CLI's stand-in over real containers; Modal, Islo,
+    Each backend the claims that depend on one are walked against: (name, hook, spec). Docker is real; sbx is its CLI's stand-in over real containers; Modal, Islo,
     Boat and OpenShell are their real SDKs over stand-ins.
     """
     name = request.param
     if name == "local":
-        yield name, local, SandboxSpec(), None
+        yield name, local, SandboxSpec()
     elif name == "docker":
         from sandbox_provider.hooks.docker import DockerSandboxHook
 
-        yield name, DockerSandboxHook(request.getfixturevalue("docker_conn")), SandboxSpec(), None
+        yield name, DockerSandboxHook(request.getfixturevalue("docker_conn")), SandboxSpec()
     elif name == "modal":
-        mod, hook = request.getfixturevalue("modal_fake")
-        yield name, hook, SandboxSpec(), mod
+        yield name, request.getfixturevalue("modal"), SandboxSpec()
     elif name in ("islo", "boat"):
         pytest.importorskip({"islo": "islo", "boat": "boat_sdk"}[name])
         make = request.getfixturevalue(f"{name}_hook")
         # Boat cannot block egress: its sandboxes are open, and the toolset must say so.
-        yield name, make(), SandboxSpec(block_network=name != "boat"), None
+        yield name, make(), SandboxSpec(block_network=name != "boat")
     elif name == "sbx":
         from sbx_fixtures import sbx_standin
 
@@ -103,7 +92,7 @@ def backend(request, local, tmp_path, monkeypatch):
 
         request.getfixturevalue("docker_client")
         with sbx_standin(tmp_path / "sbx", DOCKER_IMAGE) as standin:
-            yield name, SbxSandboxHook(sbx_path=standin.path, host_network_policy="deny-all", memory="1g"), None, None
+            yield name, SbxSandboxHook(sbx_path=standin.path, host_network_policy="deny-all", memory="1g"), None
     else:
         pytest.importorskip("openshell")
         from openshell_gateway import FakeGateway
@@ -118,7 +107,7 @@ def backend(request, local, tmp_path, monkeypatch):
         monkeypatch.setattr(OpenShellSandboxHook, "poll_interval", 0.01)
         hook = OpenShellSandboxHook("openshell_claims")
         try:
-            yield name, hook, SandboxSpec(), None
+            yield name, hook, SandboxSpec()
         finally:
             hook.close()
             gateway.stop()
@@ -193,12 +182,12 @@ def test_default_sandbox_has_no_network_no_credentials_and_is_deleted(local, sta
     ids=["blocked", "open", "cidrs"],
 )
 def test_the_description_carries_the_backends_own_account_of_the_network(backend, spec):
-    _name, hook, _spec, _mod = backend
+    _name, hook, _spec = backend
     description = SandboxToolset(hook, spec=spec).tool_definitions()[0].description
     assert hook.network_description(spec) in description
 
 
-def test_modal_hostname_list_description_says_port_443_only_and_open_dns(modal_fake):
+def test_modal_hostname_list_description_says_port_443_only_and_open_dns():
     from sandbox_provider.hooks.modal import ModalSandboxHook
 
     spec = SandboxSpec(allow_egress_to=["pypi.org", "files.pythonhosted.org"])
@@ -208,7 +197,7 @@ def test_modal_hostname_list_description_says_port_443_only_and_open_dns(modal_f
     assert "DNS answers for every name" in text
 
 
-def test_a_setting_the_backend_cannot_enforce_fails_before_anything_runs(local, state_root, modal_fake, monkeypatch):
+def test_a_setting_the_backend_cannot_enforce_fails_before_anything_runs(local, state_root, modal, monkeypatch):
     from sandbox_provider.hooks import egress
 
     # A worker without the egress gateway's tools cannot enforce a hostname allowlist.
@@ -217,7 +206,6 @@ def test_a_setting_the_backend_cannot_enforce_fails_before_anything_runs(local, 
     with pytest.raises(SandboxTerminalError, match=r"needs socat on the worker.*drop the allow lists"):
         run(script, SandboxToolset(local, spec=SandboxSpec(allow_egress_to=["pypi.org"])))
     assert script.results == [] and standing(state_root) == []
-    _mod, modal = modal_fake
     with pytest.raises(SandboxTerminalError, match=r"ModalSandboxHook\(egress_enforcement='sni'\)"):
         run(
             Script([("run_command", {"command": "true"})], "done"),
@@ -402,7 +390,7 @@ GUIDE_SEQUENCE = [
 
 
 def test_failures_go_back_to_the_model_in_the_guides_shape(backend):
-    name, hook, spec, mod = backend
+    _name, hook, spec = backend
     script = Script(
         [("write_file", {"path": "kept.txt", "content": "kept across calls\n"})],
         [("run_command", {"command": "echo partial; exit 3"})],
@@ -410,15 +398,6 @@ def test_failures_go_back_to_the_model_in_the_guides_shape(backend):
         [("run_command", {"command": "cat kept.txt"})],
         "done",
     )
-    if mod is not None:  # the fake runs commands on the host without deadlines: script what Modal returns
-
-        def queue(_texts):
-            (sandbox,) = mod.Sandbox.by_id.values()
-            sandbox.processes.append(fake_modal.FakeProcess(3, [b"partial\n"]))
-            sandbox.processes.append(fake_modal.FakeProcess(-1))
-            return [("run_command", {"command": "echo partial; exit 3"})]
-
-        script.steps[1] = queue
     run(script, SandboxToolset(hook, spec=spec))
     assert script.texts()[1:] == GUIDE_SEQUENCE
 
@@ -488,7 +467,7 @@ def test_a_failed_delete_is_logged_and_does_not_fail_the_task(state_root, caplog
 
 
 def test_truncation_counts_are_exact(backend):
-    _name, hook, spec, _mod = backend
+    _name, hook, spec = backend
     script = run(
         Script(
             [("run_command", {"command": "seq 1 60000"})],

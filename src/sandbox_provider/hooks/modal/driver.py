@@ -450,8 +450,11 @@ def translate(
             "Its files went with it; provision a new sandbox."
         )
     if isinstance(err, exc.SandboxFilesystemError):
-        reason = _FILESYSTEM_REASONS.get(type(err).__name__, "it failed")
-        return SandboxError(f"{action.capitalize()} did not work in {what}: {reason} ({err}).")
+        reason = _FILESYSTEM_REASONS.get(type(err).__name__)
+        if reason is None and handle is not None and has_ended(handle):
+            # The SDK reports a file call on a sandbox that has finished as a bare filesystem error.
+            return Gone(f"Sandbox {handle!r} has ended; {action} failed: {err}. Provision a new sandbox.")
+        return SandboxError(f"{action.capitalize()} did not work in {what}: {reason or 'it failed'} ({err}).")
     if isinstance(err, exc.ConflictError):  # before InvalidError, its parent
         return SandboxTerminalError(f"Sandbox {handle!r} is shutting down; {action} was refused: {err}")
     if isinstance(err, exc.InvalidError):
@@ -469,7 +472,7 @@ def call(
     *,
     handle: str | None,
     budget: float,
-    on_retry_error: Callable[[BaseException], T | None] | None,
+    on_error: Callable[[BaseException], T | None] | None,
     passthrough: tuple[type[BaseException], ...],
     translate: Callable[[BaseException, str, str | None], SandboxError],
     monotonic: Callable[[], float],
@@ -479,8 +482,9 @@ def call(
     Run one SDK call, retrying transient API errors until ``budget`` seconds have passed (0: no retry).
 
     Other errors become :class:`SandboxError` or :class:`SandboxTerminalError` through ``translate``,
-    except those in ``passthrough``, which are raised as they are. ``on_retry_error`` may turn an
-    error seen on a second or later attempt into a result.
+    except those in ``passthrough``, which are raised as they are. ``on_error`` may turn any other
+    error into a result: a create whose reply was lost finds its own sandbox on the next attempt,
+    whether that attempt is ours or one the SDK makes by itself before answering.
     """
     modal = import_modal()
     transient = transient_errors(modal)
@@ -508,8 +512,8 @@ def call(
         except passthrough:
             raise
         except Exception as err:
-            if attempt > 1 and on_retry_error is not None:
-                recovered = on_retry_error(err)
+            if on_error is not None:
+                recovered = on_error(err)
                 if recovered is not None:
                     return recovered
             raise translate(err, action, handle) from err

@@ -204,7 +204,7 @@ class ModalSandboxHook(Attachable, SandboxHook):
         handle: str | None = None,
         budget: float = FILE_OP_TIMEOUT,
         retry: bool = True,
-        on_retry_error: Callable[[BaseException], T | None] | None = None,
+        on_error: Callable[[BaseException], T | None] | None = None,
         passthrough: tuple[type[BaseException], ...] = (),
     ) -> T:
         """One SDK call, with transient errors retried for ``budget`` seconds; see :func:`driver.call`."""
@@ -213,7 +213,7 @@ class ModalSandboxHook(Attachable, SandboxHook):
             fn,
             handle=handle,
             budget=budget if retry else 0.0,
-            on_retry_error=on_retry_error,
+            on_error=on_error,
             passthrough=passthrough,
             translate=self._translate,
             monotonic=self._monotonic,
@@ -296,7 +296,8 @@ class ModalSandboxHook(Attachable, SandboxHook):
         }
 
         def already_made(err: BaseException) -> Any:
-            # A retried create whose first attempt reached Modal finds the name taken: that one is ours.
+            # The name is new to this call, so finding it taken means an earlier attempt reached Modal and
+            # its reply was lost (our retry, or the SDK's own retry inside one attempt): that sandbox is ours.
             if isinstance(err, modal.exception.AlreadyExistsError):
                 return modal.Sandbox.from_name(
                     self.app_name, name, environment_name=hook.environment_name, client=client
@@ -307,7 +308,7 @@ class ModalSandboxHook(Attachable, SandboxHook):
             "creating a sandbox",
             lambda: modal.Sandbox.create(**kwargs),
             budget=CREATE_BUDGET,
-            on_retry_error=already_made,
+            on_error=already_made,
         )
         handle = sandbox.object_id
         self._tracked[handle] = _Tracked(sandbox=sandbox, expires_at=expires_at, workdir=self.workdir)
