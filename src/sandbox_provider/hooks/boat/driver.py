@@ -28,7 +28,7 @@ __all__ = [
     "unsent",
 ]
 
-INSTALL_HINT = "pip install 'airflow-provider-sandbox[boat]'"
+INSTALL_HINT = "pip install -c requirements.lock '.[boat]' in a clone of airflow-provider-sandbox"
 DEFAULT_BASE_URL = "https://boat.dev/api/v1"
 
 

@@ -27,7 +27,7 @@ __all__ = [
     "unsent",
 ]
 
-INSTALL_HINT = "pip install 'airflow-provider-sandbox[islo]'"
+INSTALL_HINT = "pip install -c requirements.lock '.[islo]' in a clone of airflow-provider-sandbox"
 #: Request options that stop the SDK from resending anything.
 NO_RETRIES: dict[str, Any] = {"max_retries": 0}
 

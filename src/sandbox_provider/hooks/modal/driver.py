@@ -20,7 +20,7 @@ from sandbox_provider.sandbox.files import file_status_error, reported_size
 from sandbox_provider.sandbox.network import NetworkReach
 from sandbox_provider.sandbox.spec import SandboxSpec, hostname_allowlist
 
-INSTALL_HINT = "pip install 'airflow-provider-sandbox[modal]'"
+INSTALL_HINT = "pip install -c requirements.lock '.[modal]' in a clone of airflow-provider-sandbox"
 #: Longest pause between two attempts of a call that hit a transient API error, in seconds.
 MAX_BACKOFF = 8.0
 EGRESS_ENFORCEMENTS = ("strict", "sni")

@@ -20,7 +20,7 @@ from typing import Any
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 from sandbox_provider.sandbox.spec import SandboxSpec
 
-INSTALL_HINT = "pip install 'airflow-provider-sandbox[opensandbox]'"
+INSTALL_HINT = "pip install -c requirements.lock '.[opensandbox]' in a clone of airflow-provider-sandbox"
 #: The port of the in-sandbox daemon (execd) and of the egress sidecar's API.
 EXECD_PORT, EGRESS_PORT = 44772, 18080
 #: The only enforcement mode in which the egress sidecar drops what its policy does not allow.

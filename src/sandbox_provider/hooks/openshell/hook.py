@@ -182,7 +182,7 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
 
             raise AirflowOptionalProviderFeatureException(
                 "The OpenShell sandbox backend needs the openshell package: "
-                "pip install 'airflow-provider-sandbox[openshell]'."
+                "pip install -c requirements.lock '.[openshell]' in a clone of airflow-provider-sandbox."
             ) from err
         timeout, gateway = settings["request_timeout"], settings["gateway"]  # gateway: without a host only
         if not settings["host"]:
