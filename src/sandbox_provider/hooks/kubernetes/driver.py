@@ -338,6 +338,15 @@ def is_running(pod: Mapping[str, Any]) -> bool:
     return any(((item.get("state") or {}).get("running") is not None) for item in status.get("containerStatuses") or [])
 
 
+def timestamp(text: str | None) -> float:
+    """An API timestamp (``2024-01-02T03:04:05Z``) as Unix seconds; 0 when there is none."""
+    if not text:
+        return 0.0
+    from datetime import datetime
+
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
 def unschedulable(pod: Mapping[str, Any]) -> str | None:
     """The scheduler's message when it could not place the Pod yet, else None."""
     for condition in (pod.get("status") or {}).get("conditions") or []:

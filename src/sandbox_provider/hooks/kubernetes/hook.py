@@ -59,6 +59,8 @@ __all__ = ["KubernetesSandboxBackend", "KubernetesSandboxHook"]
 
 T = TypeVar("T")
 
+#: Seconds a NetworkPolicy without its Pod is left alone: a create makes the policy first, then the Pod.
+ORPHAN_POLICY_GRACE = 600.0
 #: Longest deadline for a command when the sandbox's end is unknown (30 days).
 MAX_COMMAND_SECONDS = 30 * 24 * 3600.0
 
@@ -424,28 +426,38 @@ class KubernetesSandboxHook(KubernetesExec, KubernetesStamps, StreamFiles, Shell
         """Delete the Pod and the NetworkPolicy named ``handle``; those already gone are fine."""
         from kubernetes.client.exceptions import ApiException
 
-        core, net = self._api()
+        core, _ = self._api()
         namespace = self._resolved()["namespace"]
-        for what, delete in (
-            (
-                "Pod",
-                lambda: core.delete_namespaced_pod(handle, namespace, grace_period_seconds=1, _preload_content=False),
-            ),
-            ("NetworkPolicy", lambda: net.delete_namespaced_network_policy(handle, namespace, _preload_content=False)),
-        ):
-            try:
-                delete()
-            except ApiException as err:
-                if err.status == 404:
-                    continue
-                if quietly:
-                    log.warning("Could not delete the %s of sandbox %s: %s", what, handle, _api_message(err))
-                    continue
-                raise self._api_error(err, f"deleting the {what} of sandbox {handle}", None) from err
-            except Exception:
-                if not quietly:
-                    raise
-                log.warning("Could not delete the %s of sandbox %s", what, handle, exc_info=True)
+        try:
+            core.delete_namespaced_pod(handle, namespace, grace_period_seconds=1, _preload_content=False)
+        except ApiException as err:
+            if err.status != 404 and not quietly:
+                raise self._api_error(err, f"deleting the Pod of sandbox {handle}", None) from err
+            if err.status != 404:
+                log.warning("Could not delete the Pod of sandbox %s: %s", handle, _api_message(err))
+        except Exception:
+            if not quietly:
+                raise
+            log.warning("Could not delete the Pod of sandbox %s", handle, exc_info=True)
+        self._remove_policy(handle, quietly=quietly)
+
+    def _remove_policy(self, handle: str, *, quietly: bool = True) -> None:
+        """Delete the NetworkPolicy named ``handle``; one that is gone (or never was) is fine."""
+        from kubernetes.client.exceptions import ApiException
+
+        _, net = self._api()
+        try:
+            net.delete_namespaced_network_policy(handle, self._resolved()["namespace"], _preload_content=False)
+        except ApiException as err:
+            if err.status == 404:
+                return
+            if not quietly:
+                raise self._api_error(err, f"deleting the NetworkPolicy of sandbox {handle}", None) from err
+            log.warning("Could not delete the NetworkPolicy of sandbox %s: %s", handle, _api_message(err))
+        except Exception:
+            if not quietly:
+                raise
+            log.warning("Could not delete the NetworkPolicy of sandbox %s", handle, exc_info=True)
 
     def _forget(self, handle: str) -> None:
         self._pods.pop(handle, None)
@@ -577,10 +589,13 @@ class KubernetesSandboxHook(KubernetesExec, KubernetesStamps, StreamFiles, Shell
             )
         )["items"]
         for policy in policies:
-            name = policy["metadata"]["name"]
-            if name not in alive and self.handle_pattern.fullmatch(name):
-                self._remove(name, quietly=True)
-                removed.append(name)
+            # A policy is made before its Pod: one without a Pod is left over only once no create can
+            # still be on its way to making the Pod.
+            name, made = policy["metadata"]["name"], driver.timestamp(policy["metadata"].get("creationTimestamp"))
+            if name in alive or not self.handle_pattern.fullmatch(name) or judged - made < ORPHAN_POLICY_GRACE:
+                continue
+            self._remove_policy(name)
+            removed.append(name)
         return sorted(set(removed))
 
     def _sweep_namespace(self) -> None:
