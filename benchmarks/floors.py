@@ -188,8 +188,10 @@ def docker_leftovers(client, sandbox_uid: int, tag: str) -> dict[str, int]:
     """Containers of a run still on the Engine, in any state: the hook's (by user label) and the raw ones."""
     from sandbox_provider.hooks.docker import driver
 
-    ours = client.containers.list(all=True, filters={"label": f"{driver.USER_LABEL}={sandbox_uid}:{sandbox_uid}"})
-    raw = client.containers.list(all=True, filters={"label": f"{RAW_LABEL}={tag}"})
+    ours = client.containers.list(
+        all=True, ignore_removed=True, filters={"label": f"{driver.USER_LABEL}={sandbox_uid}:{sandbox_uid}"}
+    )
+    raw = client.containers.list(all=True, ignore_removed=True, filters={"label": f"{RAW_LABEL}={tag}"})
     return {"hook containers": len(ours), "raw containers": len(raw)}
 
 

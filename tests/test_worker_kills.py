@@ -213,7 +213,11 @@ def backend(request):
     client = request.getfixturevalue("docker_client")
 
     def containers(handle):
-        return [c.name for c in client.containers.list(all=True, filters={"name": handle}) if c.name == handle]
+        return [
+            c.name
+            for c in client.containers.list(all=True, ignore_removed=True, filters={"name": handle})
+            if c.name == handle
+        ]
 
     return {
         "TEST_BACKEND": conn,

@@ -674,7 +674,9 @@ def test_lifetime_removes_the_sandbox_of_a_killed_creator(docker_conn, docker_cl
     finally:
         if creator.poll() is None:
             creator.kill()
-        for container in docker_client.containers.list(all=True, filters={"label": f"{OWNER_TAG}=dag_killed/run_1"}):
+        for container in docker_client.containers.list(
+            all=True, ignore_removed=True, filters={"label": f"{OWNER_TAG}=dag_killed/run_1"}
+        ):
             container.remove(force=True)
 
 

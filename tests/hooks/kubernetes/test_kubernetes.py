@@ -539,7 +539,9 @@ def test_destroy_is_final_and_leaves_no_pod_or_container(k8s_hook, admin, docker
         sh(KubernetesSandboxHook(k8s_hook.kubernetes_conn_id), handle, "true")
     _wait_until_deleted(core, namespace, handle, 60)
     deadline = time.monotonic() + 60
-    while docker_client.containers.list(all=True, filters={"label": f"io.kubernetes.pod.uid={pod_uid}"}):
+    while docker_client.containers.list(
+        all=True, ignore_removed=True, filters={"label": f"io.kubernetes.pod.uid={pod_uid}"}
+    ):
         assert time.monotonic() < deadline, "the kubelet left the sandbox's containers"
         time.sleep(0.5)
 

@@ -207,7 +207,7 @@ class OpenSandboxServer:
     def own_containers(self) -> list:
         """Every container on the Engine that this server created (found by its environment mark)."""
         mine = []
-        for container in self.docker.containers.list(all=True, filters={"name": "sandbox-"}):
+        for container in self.docker.containers.list(all=True, ignore_removed=True, filters={"name": "sandbox-"}):
             env = container.attrs.get("Config", {}).get("Env") or []
             if f"{MARK}={self.token}" in env:
                 mine.append(container)
