@@ -449,4 +449,14 @@ if ! pid_of kubelet >/dev/null; then
 fi
 wait_for "the node $NODE" 120 node_ready "$kubelet_since"
 for name in "${COMPONENTS[@]}"; do pid_of "$name" >/dev/null || die "$name ended (log: $LOGS/$name.log)"; done
+# The namespaces of test and benchmark runs that were ended with the cluster (no run can use them now).
+for ns in $(api_get /api/v1/namespaces | python3 -c '
+import json, sys
+for item in json.load(sys.stdin)["items"]:
+    name = item["metadata"]["name"]
+    if name.startswith(("sandbox-test-", "sandbox-bench-")) and not item["metadata"].get("deletionTimestamp"):
+        print(name)'); do
+  log "deleting namespace $ns, left by a run that ended with the cluster"
+  api_get "/api/v1/namespaces/$ns" -X DELETE >/dev/null || true
+done
 log "cluster up in $(($(date +%s) - started_at)) s: KUBECONFIG=$STATE/admin.kubeconfig"
