@@ -58,7 +58,8 @@ GATEWAY_HOSTS = (
 GATEWAY_RANGES = (
     "any TCP port, only through the proxy at http://127.0.0.1:3128 that HTTPS_PROXY and HTTP_PROXY name, with HTTP "
     "CONNECT, so other TCP protocols need a client that tunnels through it; no address is routed otherwise and UDP "
-    "goes nowhere"
+    "goes nowhere; loopback, link-local (cloud metadata) and the worker's own addresses only where a range names "
+    "them, never through a catch-all such as 0.0.0.0/0"
 )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 
+import egress_servers
 import pytest
 from egress_servers import LISTED, UNLISTED, assert_battery, egress_world, probe, run, tls_env
 
@@ -65,6 +66,54 @@ def test_listed_hosts_and_ranges_pass_and_nothing_else(make_hook, world, docker_
         logged = f.read()
     assert f"sandbox {handle} egress allowed CONNECT {LISTED}:{world.tls_port}" in logged
     assert f"sandbox {handle} egress refused CONNECT {UNLISTED}:{world.tls_port}" in logged
+
+
+def test_catch_all_ranges_never_reach_the_worker_itself(make_hook, world):
+    hook = make_hook()
+    egress_servers.assert_catch_alls_stay_off_the_worker(hook, lambda spec: create(hook, spec), world)
+
+
+#: Connections the flood opens: more than the container's process limit below, and than the cap.
+FLOOD_SIZE = 200
+
+
+@pytest.mark.parametrize("cap", [16, 1024], ids=["capped", "cap-above-the-flood"])
+def test_a_flood_of_connections_stays_within_the_forwarder_s_bounds(make_hook, cap):
+    """
+    The sandbox (at most 64 processes) opens 200 connections to the forwarder and asks each for a
+    tunnel. The forwarder runs on the worker, outside the container's limits, one socat per
+    connection: with the cap, the worker holds at most the cap plus FORWARD_SPARE of them, the
+    gateway holds ``cap`` tunnels and refuses the spare ones (503, logged), the rest wait. The
+    positive control, a cap above the flood, shows the worker's processes really do follow the
+    connections past the container's own limit without it.
+    """
+    hook = make_hook(pids_limit=64, egress_max_connections=cap)
+    with egress_servers.held_sink() as (address, port):
+        handle = create(hook, SandboxSpec(allow_egress_to_cidrs=[f"{address}/32"]))
+        directory = egress.docker_gateway_dir(handle)
+        with egress_servers.TreePeak(egress._gateway_pid(directory)) as peak:
+            got = egress_servers.flood(
+                hook, handle, "127.0.0.1:3128", FLOOD_SIZE, f"{address}:{port}", limit=40, quiet=4
+            )
+    assert sum(got.values()) == FLOOD_SIZE and got["other"] == 0, got
+    if cap < FLOOD_SIZE:
+        bound = 2 + 1 + cap + egress.FORWARD_SPARE  # the gateway's two, socat's listener, its children
+        assert got["held"] == cap and got["refused"] >= egress.FORWARD_SPARE, got
+        assert peak.processes <= bound and peak.threads <= bound + 2, (peak.processes, peak.threads)
+        assert egress_servers.refusals_logged(os.path.join(directory, egress.LOG), cap) == got["refused"]
+    else:
+        assert got["held"] > 64 and peak.processes > 64 + 3, (got, peak.processes)
+
+
+def test_the_gateway_holds_neither_direction_back_in_memory(make_hook):
+    hook = make_hook()
+    rss = egress_servers.assert_flow_controlled(
+        hook,
+        lambda spec: create(hook, spec),
+        f"127.0.0.1:{egress.FORWARD_PORT}",
+        lambda handle: egress._gateway_pid(egress.docker_gateway_dir(handle)),
+    )
+    assert rss < 128 << 20, rss
 
 
 def test_root_in_the_container_cannot_stop_or_replace_the_forwarder(make_hook, world):

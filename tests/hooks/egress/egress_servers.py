@@ -114,6 +114,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             kind = "text/html"
         elif self.path == f"/files/{WHEEL_NAME}":
             body, kind = self.wheel, "application/octet-stream"
+        elif self.path.startswith("/bytes/"):
+            body, kind = b"b" * int(self.path.rsplit("/", 1)[1]), "application/octet-stream"
         else:
             body, kind = f"reached {self.server.label}\n".encode(), "text/plain"  # type: ignore[attr-defined]
         self.send_response(200)
@@ -126,6 +128,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.server.hits.append(self.path)  # type: ignore[attr-defined]
 
 
+class _V6Server(http.server.ThreadingHTTPServer):
+    address_family = socket.AF_INET6
+
+
 def random_loopback() -> str:
     """An address in 127.0.0.0/8 other than 127.0.0.1, unlikely to be in use."""
     return f"127.{random.randint(64, 250)}.{random.randint(1, 250)}.{random.randint(2, 250)}"
@@ -134,7 +140,7 @@ def random_loopback() -> str:
 @contextlib.contextmanager
 def serve(address: str, port: int, label: str, *, tls: TestCA | None = None) -> Iterator[http.server.HTTPServer]:
     """An HTTP(S) server on ``address``:``port`` (0: any free port) in a thread; ``.hits`` lists the paths asked."""
-    server = http.server.ThreadingHTTPServer((address, port), _Handler)
+    server = (_V6Server if ":" in address else http.server.ThreadingHTTPServer)((address, port), _Handler)
     server.label = label  # type: ignore[attr-defined]
     server.hits = []  # type: ignore[attr-defined]
     _Handler.wheel = tiny_wheel()
@@ -176,7 +182,7 @@ try:
     with urllib.request.urlopen(sys.argv[1], timeout=30) as response:
         print(json.dumps({"status": response.status, "body": response.read().decode()}))
 except urllib.error.HTTPError as err:
-    print(json.dumps({"status": err.code, "error": str(err)}))
+    print(json.dumps({"status": err.code, "error": str(err), "reason": err.read().decode(errors="replace")[:500]}))
 except Exception as err:
     print(json.dumps({"error": f"{type(err).__name__}: {err}"}))
 """
@@ -220,6 +226,9 @@ class EgressWorld:
     tls: http.server.HTTPServer
     plain: http.server.HTTPServer
     host_service: http.server.HTTPServer
+    v6_loopback: http.server.HTTPServer
+    own_address: str
+    own: http.server.HTTPServer
 
     @property
     def pins(self) -> dict[str, str]:
@@ -242,6 +251,17 @@ class EgressWorld:
         return {"allow_egress_to": [LISTED, WILDCARD], "allow_egress_to_cidrs": [f"{self.plain_address}/32"]}
 
 
+def worker_address() -> str:
+    """An IPv4 address of one of this machine's own interfaces other than loopback (traffic to it stays here)."""
+    from sandbox_provider.hooks.egress.rules import local_addresses
+
+    for text in local_addresses():
+        address = ipaddress.ip_address(text)
+        if address.version == 4 and not address.is_loopback:
+            return text
+    raise RuntimeError("this machine has no IPv4 address besides loopback to serve the own-address case on")
+
+
 @contextlib.contextmanager
 def egress_world() -> Iterator[EgressWorld]:
     tls_address, plain_address = random_loopback(), random_loopback()
@@ -252,6 +272,9 @@ def egress_world() -> Iterator[EgressWorld]:
         other = stack.enter_context(serve(tls_address, 0, "tls-other-port", tls=ca))
         plain = stack.enter_context(serve(plain_address, 0, "plain"))
         host_service = stack.enter_context(serve("127.0.0.1", 0, "host-loopback"))
+        v6_loopback = stack.enter_context(serve("::1", 0, "v6-loopback"))
+        own_address = worker_address()
+        own = stack.enter_context(serve(own_address, 0, "own-address"))
         yield EgressWorld(
             tls_address=tls_address,
             tls_port=tls_port,
@@ -263,6 +286,9 @@ def egress_world() -> Iterator[EgressWorld]:
             tls=tls,
             plain=plain,
             host_service=host_service,
+            v6_loopback=v6_loopback,
+            own_address=own_address,
+            own=own,
         )
 
 
@@ -340,3 +366,331 @@ def assert_battery(hook, handle: str, world: EgressWorld) -> None:
     outcome = json.loads(raw.stdout)
     assert all(value.startswith("failed") for value in outcome.values()), outcome
     assert len(world.tls.hits) == before and len(world.plain.hits) == 1
+
+
+def _embedded(prefix: str, address: str) -> str:
+    """``address`` (IPv4) written inside the IPv6 ``prefix`` (``::ffff:``, ``64:ff9b::``, ``::``)."""
+    return str(ipaddress.IPv6Address(int(ipaddress.IPv6Address(prefix)) | int(ipaddress.IPv4Address(address))))
+
+
+def assert_catch_alls_stay_off_the_worker(hook, create, world: EgressWorld) -> None:
+    """
+    ``allow_egress_to_cidrs`` catch-alls (``0.0.0.0/0``, ``::/0``) against the servers on the worker's
+    loopback (127.0.0.1, another 127/8 address, ::1) and on one of its own interface addresses, asked
+    for directly and in IPv4-mapped, IPv4-compatible and NAT64 forms: each refused (403, by the
+    guarded-block rule) and never reached. Positive control first: the same servers, with their
+    blocks named on purpose, are reached (a NAT64 or compatible address is never connected to: no
+    translator here, and the worker would route it off the machine).
+
+    :param create: makes a sandbox of a spec on ``hook`` and returns its handle.
+    """
+    from sandbox_provider.sandbox import SandboxSpec
+
+    plain, own = world.plain_address, world.own_address
+    mapped, nat64, compatible = (
+        f"http://[{_embedded(prefix, plain)}]:{world.plain_port}/" for prefix in ("::ffff:0:0", "64:ff9b::", "::")
+    )
+    loopback = f"http://127.0.0.1:{world.host_port}/"
+    v6 = f"http://[::1]:{world.v6_loopback.server_address[1]}/"
+    own_url = f"http://{own}:{world.own.server_address[1]}/"
+    named = create(SandboxSpec(allow_egress_to_cidrs=[f"{plain}/32", "127.0.0.1/32", "::1/128", f"{own}/32"]))
+    reached = {
+        world.plain_url: "plain",
+        mapped: "plain",
+        loopback: "host-loopback",
+        v6: "v6-loopback",
+        own_url: "own-address",
+    }
+    for url, label in reached.items():
+        assert probe(hook, named, url, always_proxy=True) == {"status": 200, "body": f"reached {label}\n"}, url
+    servers = (world.plain, world.host_service, world.v6_loopback, world.own)
+    hits = [len(server.hits) for server in servers]
+    refused = {
+        "0.0.0.0/0": [world.plain_url, loopback, own_url, mapped, nat64],
+        "::/0": [v6, mapped, nat64, compatible],
+    }
+    for cidr, urls in refused.items():
+        handle = create(SandboxSpec(allow_egress_to_cidrs=[cidr]))
+        for url in urls:
+            got = probe(hook, handle, url, always_proxy=True)
+            assert got.get("status") == 403 and "not a wider range" in got.get("reason", ""), (cidr, url, got)
+    assert [len(server.hits) for server in servers] == hits
+
+
+@contextlib.contextmanager
+def held_sink() -> Iterator[tuple[str, int]]:
+    """
+    A TCP port on a loopback address that completes connections and never accepts them (the kernel
+    holds up to 4096), so every tunnel to it stays open at no cost to this process: ``(address, port)``.
+    """
+    address = random_loopback()
+    with socket.socket() as sink:
+        sink.bind((address, 0))
+        sink.listen(4096)
+        yield address, sink.getsockname()[1]
+
+
+#: Runs inside a sandbox: opens argv[2] connections to argv[1] (a Unix socket path, or host:port),
+#: asks each for a CONNECT tunnel to argv[3], holds them all, and tells how the proxy answered, as
+#: JSON: held (200), refused (503), other, and still waiting when nothing changed for argv[5]
+#: seconds or argv[4] seconds passed.
+FLOOD = r"""
+import json, selectors, socket, sys, time
+target, count, destination, limit, quiet = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), float(sys.argv[5])
+request = f"CONNECT {destination} HTTP/1.1\r\nHost: {destination}\r\n\r\n".encode()
+selector, sockets = selectors.DefaultSelector(), []
+for _ in range(count):
+    if target.startswith("/"):
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(target)
+        sock.sendall(request)
+        sock.setblocking(False)
+        selector.register(sock, selectors.EVENT_READ)
+    else:
+        host, port = target.rsplit(":", 1)
+        sock = socket.socket()
+        sock.setblocking(False)
+        sock.connect_ex((host, int(port)))
+        selector.register(sock, selectors.EVENT_WRITE)
+    sockets.append(sock)
+outcome = {"held": 0, "refused": 0, "other": 0}
+start = changed = time.monotonic()
+while time.monotonic() - start < limit and time.monotonic() - changed < quiet and selector.get_map():
+    for key, events in selector.select(timeout=0.2):
+        sock, changed = key.fileobj, time.monotonic()
+        if events & selectors.EVENT_WRITE:
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                outcome["other"] += 1
+                selector.unregister(sock)
+            else:
+                sock.send(request)
+                selector.modify(sock, selectors.EVENT_READ)
+            continue
+        reply = sock.recv(64)
+        status = reply.split(b" ")[1] if reply.startswith(b"HTTP/1.") else b""
+        outcome[{b"200": "held", b"503": "refused"}.get(status, "other")] += 1
+        selector.unregister(sock)
+outcome["waiting"] = len(selector.get_map())
+print(json.dumps(outcome), flush=True)
+"""
+
+
+def flood(hook, handle: str, target: str, count: int, destination: str, *, limit: float, quiet: float) -> dict:
+    """Run :data:`FLOOD` in the sandbox; its outcome."""
+    import json
+    import shlex
+
+    args = " ".join(shlex.quote(str(a)) for a in (target, count, destination, limit, quiet))
+    result = run(hook, handle, f"python3 -c {shlex.quote(FLOOD)} {args}", timeout=limit + 60)
+    assert result.exit_code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+class TreePeak:
+    """
+    The most processes, threads and open descriptors seen at once in a process and its descendants,
+    and the largest resident memory of one of them (bytes), sampled every 20 ms in a thread while
+    the ``with`` block runs (a process that ends is skipped).
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.processes = self.threads = self.files = self.rss = 0
+        self._stop = threading.Event()
+
+    def _sample(self) -> None:
+        import psutil
+
+        root = psutil.Process(self.pid)
+        while not self._stop.is_set():
+            processes = threads = files = 0
+            for process in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    threads, files = threads + process.num_threads(), files + process.num_fds()
+                    self.rss = max(self.rss, process.memory_info().rss)
+                    processes += 1
+            self.processes, self.threads = max(self.processes, processes), max(self.threads, threads)
+            self.files = max(self.files, files)
+            self._stop.wait(0.02)
+
+    def __enter__(self) -> TreePeak:
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def refusals_logged(log_path: str, cap: int, settle: float = 3.0) -> int:
+    """
+    How many connections past ``cap`` the gateway logging to ``log_path`` refused, summed over its
+    refusal lines, read once nothing new was logged for ``settle`` seconds (the tally comes a
+    second after the first line).
+    """
+    import re
+    import time
+
+    pattern = re.compile(rf"egress refused (\d+) connection\(s\): {cap} were open, the most it may hold at once")
+    seen, quiet_since = -1, time.monotonic()
+    while True:
+        with open(log_path, encoding="utf-8") as f:
+            total = sum(int(m.group(1)) for m in pattern.finditer(f.read()))
+        if total != seen:
+            seen, quiet_since = total, time.monotonic()
+        elif time.monotonic() - quiet_since >= settle:
+            return total
+        time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def _tcp_server(serve_one) -> Iterator[tuple[str, int, list[int]]]:
+    """
+    A TCP server on a loopback address running ``serve_one(conn, counts, index)`` in a thread per
+    connection: ``(address, port, counts)``, ``counts[i]`` the bytes moved on the i-th connection.
+    """
+    address, counts = random_loopback(), []
+    listener = socket.socket()
+    listener.bind((address, 0))
+    listener.listen(64)
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn = listener.accept()[0]
+                counts.append(0)
+                threading.Thread(target=serve_one, args=(conn, counts, len(counts) - 1), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield address, listener.getsockname()[1], counts
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+
+
+def _pour(conn: socket.socket, counts: list[int], index: int) -> None:
+    chunk = b"x" * (1 << 20)
+    with contextlib.suppress(OSError), conn:
+        while True:
+            counts[index] += conn.send(chunk)
+
+
+def _drain(conn: socket.socket, counts: list[int], index: int) -> None:
+    with contextlib.suppress(OSError), conn:
+        while data := conn.recv(1 << 20):
+            counts[index] += len(data)
+
+
+def streaming_server() -> contextlib.AbstractContextManager[tuple[str, int, list[int]]]:
+    """A server that sends to each connection as fast as it can until it closes: ``(address, port, sent)``."""
+    return _tcp_server(_pour)
+
+
+def draining_server() -> contextlib.AbstractContextManager[tuple[str, int, list[int]]]:
+    """A server that reads and drops what each connection sends: ``(address, port, received)``."""
+    return _tcp_server(_drain)
+
+
+#: Runs inside a sandbox: tunnels through the proxy at argv[1] (a Unix socket path, or host:port)
+#: to argv[2]. argv[3] of them never read and send argv[4] bytes each, until all is sent or argv[5]
+#: seconds pass; they stay open argv[6] seconds more; then one more tunnel reads argv[7] bytes.
+#: Prints, as JSON, what each sender got to send and what the reader read.
+FLOW = r"""
+import json, socket, sys, time
+target, destination = sys.argv[1], sys.argv[2]
+count, send, seconds, hold, read = int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6]), int(sys.argv[7])
+
+def tunnel():
+    if target.startswith("/"):
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(target)
+    else:
+        host, port = target.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"CONNECT {destination} HTTP/1.1\r\nHost: {destination}\r\n\r\n".encode())
+    sock.settimeout(30)
+    assert sock.recv(39).startswith(b"HTTP/1.1 200"), "the tunnel was not made"
+    return sock
+
+senders, sent, chunk = [tunnel() for _ in range(count)], [0] * count, b"u" * (1 << 20)
+for sock in senders:
+    sock.setblocking(False)
+end = time.monotonic() + seconds
+while time.monotonic() < end and min(sent, default=send) < send:
+    moved = False
+    for i, sock in enumerate(senders):
+        if sent[i] < send:
+            try:
+                sent[i] += sock.send(chunk[: send - sent[i]])
+                moved = True
+            except BlockingIOError:
+                pass
+    if not moved:
+        time.sleep(0.05)
+time.sleep(hold)
+got = 0
+if read:
+    reader = tunnel()
+    while got < read:
+        data = reader.recv(1 << 20)
+        if not data:
+            break
+        got += len(data)
+print(json.dumps({"sent": sent, "read": got}))
+"""
+
+
+def assert_flow_controlled(hook, create, target: str, gateway_pid) -> int:
+    """
+    The gateway holds neither direction back in memory: a sandbox that never reads four downloads
+    (from a server that sends as fast as it can) and pushes 256 MiB into four uploads (to a server
+    that never reads) holds the gateway at a few MiB, and the senders on both ends are held back by
+    the kernel. Positive controls in the same sandbox: a tunnel that reads gets 256 MiB through at
+    once, and the same uploads to a server that reads get all of it through. Returns the gateway's
+    largest resident memory (bytes) while the sandbox pushed.
+
+    :param create: makes a sandbox of a spec on ``hook`` and returns its handle.
+    :param target: the proxy as the sandbox reaches it (``SANDBOX_SOCKET``, or ``127.0.0.1:3128``).
+    :param gateway_pid: the pid of a handle's gateway.
+    """
+    import json
+    import shlex
+
+    from sandbox_provider.sandbox import SandboxSpec
+
+    big = 256 << 20
+    with streaming_server() as (source, source_port, poured), held_sink() as (sink, sink_port):
+        with draining_server() as (drain, drain_port, drained):
+            cidrs = [f"{address}/32" for address in (source, sink, drain)]
+            handle = create(SandboxSpec(allow_egress_to_cidrs=cidrs))
+
+            def flow(destination: str, send: int, seconds: float, hold: float, read: int) -> dict:
+                args = f"{target} {destination} 4 {send} {seconds} {hold} {read}"
+                result = run(hook, handle, f"python3 -c {shlex.quote(FLOW)} {args}", timeout=180)
+                assert result.exit_code == 0, result.stderr
+                return json.loads(result.stdout)
+
+            with TreePeak(gateway_pid(handle)) as peak:
+                hoarded = flow(f"{source}:{source_port}", 0, 0, 5, big)
+                pushed = flow(f"{sink}:{sink_port}", big, 8, 0, 0)
+            # Downloads: the four never read got little past the kernel's buffers; the fifth read 256 MiB.
+            assert hoarded["read"] >= big and len(poured) == 5 and max(poured[:4]) < 64 << 20, (hoarded, poured)
+            # Uploads into a server that never reads: each got only a little past the buffers.
+            assert max(pushed["sent"]) < 64 << 20, pushed
+            # Positive control: into one that reads, all of it goes.
+            assert flow(f"{drain}:{drain_port}", big // 4, 60, 0, 0)["sent"] == [big // 4] * 4
+    return peak.rss
+
+
+#: Runs inside a sandbox: fetches argv[1] with urllib through the proxy variables; prints how many
+#: bytes came, or the error's name.
+SIZE = r"""
+import sys, urllib.request
+try:
+    with urllib.request.urlopen(sys.argv[1], timeout=60) as response:
+        print(len(response.read()))
+except Exception as err:
+    print(type(err).__name__)
+"""

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from sandbox_provider.hooks import egress
-from sandbox_provider.hooks.egress.rules import EgressPolicy, address_ranges, check_ports, decide, host_pins
+from sandbox_provider.hooks.egress.rules import (
+    EgressPolicy,
+    address_ranges,
+    check_ports,
+    decide,
+    host_pins,
+    local_addresses,
+    uncarved_guard,
+)
 from sandbox_provider.sandbox import SandboxSpec
 
 POLICY = EgressPolicy(
@@ -62,6 +72,11 @@ def test_unlisted_names_and_ports_are_refused_without_a_lookup():
         "fd00:ec2::254",
         "::ffff:127.0.0.1",
         "224.0.0.1",
+        # IPv6 forms that carry loopback or link-local IPv4 addresses, judged by what they carry:
+        "64:ff9b::7f00:1",
+        "64:ff9b::a9fe:a9fe",
+        "::127.0.0.1",
+        "::ffff:169.254.169.254",
     ],
 )
 def test_listed_names_pointing_at_internal_addresses_are_refused(address):
@@ -111,3 +126,146 @@ def test_proxy_variables_name_the_forwarder_in_both_cases():
     env = egress.proxy_env()
     assert env["HTTPS_PROXY"] == env["https_proxy"] == env["HTTP_PROXY"] == env["http_proxy"] == "http://127.0.0.1:3128"
     assert env["NO_PROXY"] == env["no_proxy"] == "localhost,127.0.0.1,::1"
+
+
+#: The worker's own addresses, as the gateway would read them from its interfaces.
+OWN = ["127.0.0.1", "::1", "198.51.100.20", "2001:db8:77::5", "172.17.0.1"]
+
+
+def ranges(*cidrs):
+    return EgressPolicy(handle="h", cidrs=tuple(address_ranges(list(cidrs))))
+
+
+def literal(cidrs, host):
+    return decide(ranges(*cidrs), host, 80, resolver({}), local=lambda: OWN)
+
+
+@pytest.mark.parametrize(
+    ("cidrs", "host"),
+    [
+        (["0.0.0.0/0"], "127.0.0.1"),
+        (["0.0.0.0/0"], "127.8.9.10"),
+        (["0.0.0.0/1"], "127.0.0.1"),
+        (["64.0.0.0/2"], "127.0.0.1"),
+        (["0.0.0.0/0"], "169.254.169.254"),
+        (["128.0.0.0/1"], "169.254.169.254"),
+        (["0.0.0.0/0"], "0.0.0.0"),
+        (["0.0.0.0/0"], "100.100.100.200"),
+        (["::/0"], "::1"),
+        (["::/0"], "[::1]"),
+        (["::/0"], "::"),
+        (["::/0"], "fe80::1"),
+        (["::/0"], "fe80::1%eth0"),
+        (["::/0"], "fd00:ec2::254"),
+        (["fd00::/8"], "fd00:ec2::254"),
+        # IPv4 carried in IPv6: mapped, compatible, NAT64 — judged by the IPv4 address.
+        (["::/0"], "::ffff:127.0.0.1"),
+        (["::/0"], "::ffff:169.254.169.254"),
+        (["::/0"], "::127.0.0.1"),
+        (["::/0"], "64:ff9b::7f00:1"),
+        (["::/0"], "64:ff9b::a9fe:a9fe"),
+        (["0.0.0.0/0"], "::ffff:127.0.0.1"),
+        (["::ffff:0:0/96"], "::ffff:127.0.0.1"),
+        (["64:ff9b::/96"], "64:ff9b::7f00:1"),
+        # The worker's own addresses: only the address itself, listed alone, admits it.
+        (["0.0.0.0/0"], "198.51.100.20"),
+        (["198.51.100.0/24"], "198.51.100.20"),
+        (["172.16.0.0/12"], "172.17.0.1"),
+        (["::/0"], "2001:db8:77::5"),
+        (["::/0"], "::ffff:198.51.100.20"),
+    ],
+)
+def test_a_wide_range_never_admits_a_guarded_address(cidrs, host):
+    refused = literal(cidrs, host)
+    assert not refused.allowed and "admits it, not a wider range" in refused.reason, refused
+
+
+@pytest.mark.parametrize(
+    ("cidrs", "host"),
+    [
+        # Positive controls of the table above: the same addresses, their blocks named on purpose.
+        (["127.0.0.0/8"], "127.8.9.10"),
+        (["127.0.0.1/32"], "127.0.0.1"),
+        (["169.254.169.254/32"], "169.254.169.254"),
+        (["169.254.0.0/16"], "169.254.169.254"),
+        (["0.0.0.0/32"], "0.0.0.0"),
+        (["::1/128"], "::1"),
+        (["fe80::/10"], "fe80::1"),
+        (["fd00:ec2::254/128"], "fd00:ec2::254"),
+        (["127.0.0.0/8"], "::ffff:127.0.0.1"),
+        (["127.0.0.0/8"], "64:ff9b::7f00:1"),
+        (["::ffff:127.0.0.0/104"], "127.0.0.1"),
+        (["64:ff9b::7f00:0/104"], "64:ff9b::7f00:1"),
+        (["198.51.100.20/32"], "198.51.100.20"),
+        (["2001:db8:77::5/128"], "2001:db8:77::5"),
+        # And what a catch-all still admits: addresses nobody guards.
+        (["0.0.0.0/0"], "10.1.2.3"),
+        (["0.0.0.0/0"], "198.51.100.21"),
+        (["::/0"], "2001:db8::1"),
+        (["::/0"], "::ffff:203.0.113.9"),
+        (["::/0"], "64:ff9b::cb00:7109"),
+    ],
+)
+def test_a_range_that_names_an_address_admits_it(cidrs, host):
+    assert literal(cidrs, host).allowed
+
+
+def test_listed_names_are_judged_by_what_they_resolve_to_and_carry():
+    policy = EgressPolicy(handle="h", hosts=("pypi.org",), cidrs=("0.0.0.0/0", "::/0"))
+
+    def to(*addresses):
+        return decide(policy, "pypi.org", 443, resolver({"pypi.org": list(addresses)}), local=lambda: OWN)
+
+    for address in ("64:ff9b::7f00:1", "::ffff:169.254.169.254", "198.51.100.20", "::1", "127.0.0.1"):
+        assert not to(address).allowed, address
+    # Positive controls: a public address, also in NAT64 form, and the first usable one of several.
+    assert to("64:ff9b::cb00:7109").address == "64:ff9b::cb00:7109"
+    assert to("151.101.0.223").allowed
+    assert to("127.0.0.1", "198.51.100.20", "10.9.3.4").address == "10.9.3.4"  # private, under the catch-all
+    specific = EgressPolicy(handle="h", hosts=("pypi.org",), cidrs=("127.0.0.0/8",))
+    assert decide(specific, "pypi.org", 443, resolver({"pypi.org": ["64:ff9b::7f00:1"]}), local=lambda: OWN).allowed
+
+
+def test_the_worker_s_own_addresses_are_read_from_its_interfaces():
+    own = local_addresses()
+    assert "127.0.0.1" in own and all("%" not in address for address in own)
+
+
+@pytest.mark.parametrize(
+    ("cidr", "block"),
+    [
+        ("0.0.0.0/0", "127.0.0.0/8"),
+        ("128.0.0.0/1", "169.254.0.0/16"),
+        ("::/0", "::1/128"),
+        ("::ffff:0:0/96", "127.0.0.0/8"),
+        ("64:ff9b::/96", "127.0.0.0/8"),
+        ("fd00::/8", "fd00:ec2::254/128"),
+        ("100.64.0.0/10", "100.100.100.200/32"),
+        # Positive controls: ranges that name their block, or touch none.
+        ("127.0.0.0/8", None),
+        ("169.254.169.254/32", None),
+        ("::ffff:127.0.0.0/104", None),
+        ("203.0.113.0/24", None),
+    ],
+)
+def test_a_range_covering_a_guarded_block_without_naming_it_is_found(cidr, block):
+    import ipaddress
+
+    found = uncarved_guard(ipaddress.ip_network(cidr))
+    assert (str(found[0]) if found else None) == block
+
+
+def test_the_connection_cap_is_checked_where_the_hooks_take_it():
+    from sandbox_provider.hooks.docker import DockerSandboxHook
+    from sandbox_provider.hooks.local import LocalSandboxHook
+
+    assert egress.check_max_connections(1) == 1 and egress.check_max_connections(1024) == 1024
+    for bad in (0, 1025, -1, 2.5, "64", True, None):
+        with pytest.raises(ValueError, match="egress_max_connections must be a whole number"):
+            egress.check_max_connections(bad)
+    assert LocalSandboxHook(egress_max_connections=8).egress_max_connections == 8
+    assert DockerSandboxHook("c").egress_max_connections == egress.MAX_CONNECTIONS
+    with pytest.raises(ValueError, match="egress_max_connections"):
+        DockerSandboxHook("c", egress_max_connections=0)
+    forward, _ = egress.docker_forward("/run/g", os.getpid(), 8)
+    assert f"max-children={8 + egress.FORWARD_SPARE}" in forward[-2]

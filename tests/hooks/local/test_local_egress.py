@@ -11,6 +11,7 @@ import shlex
 import shutil
 import time
 
+import egress_servers
 import pytest
 from egress_servers import LISTED, UNLISTED, WHEEL_VALUE, assert_battery, egress_world, run, tls_env
 
@@ -81,6 +82,80 @@ def test_listed_hosts_and_ranges_pass_and_nothing_else(make_hook, world):
     assert f"sandbox {handle} egress allowed CONNECT {LISTED}:{world.tls_port}" in logged
     assert f"sandbox {handle} egress refused CONNECT {UNLISTED}:{world.tls_port}" in logged
     assert f"sandbox {handle} egress refused GET 127.0.0.1:{world.host_port}" in logged
+
+
+def test_catch_all_ranges_never_reach_the_worker_itself(make_hook, world):
+    hook = make_hook()
+    egress_servers.assert_catch_alls_stay_off_the_worker(hook, lambda spec: hook.create(spec=spec), world)
+    handle = hook.create(spec=SandboxSpec(allow_egress_to_cidrs=["0.0.0.0/0"]))
+    run(hook, handle, "curl -sS -o /dev/null --max-time 10 http://169.254.169.254/latest/meta-data/")
+    with open(os.path.join(gateway_dir(hook, handle), egress.LOG), encoding="utf-8") as f:
+        assert "169.254.169.254 is link-local (cloud metadata) (169.254.0.0/16)" in f.read()
+
+
+#: Connections the flood opens: more than the sandbox's process limit below, and than the cap.
+FLOOD_SIZE = 400
+
+
+@pytest.mark.parametrize(("cap", "held"), [(16, 16), (1024, FLOOD_SIZE)], ids=["capped", "cap-above-the-flood"])
+def test_a_flood_of_connections_stays_within_the_gateway_s_bounds(make_hook, cap, held):
+    """
+    The sandbox opens 400 connections straight to the gateway's socket (its process limit is 64) and
+    asks each for a tunnel: the gateway holds ``cap`` of them and answers the rest 503, with one
+    event loop (two processes, at most four threads) however many come. The positive control, a cap
+    above the flood, shows every connection really is held (twice as many descriptors as
+    connections in the gateway), still in those four threads.
+    """
+    hook = make_hook(max_processes=64, egress_max_connections=cap)
+    with egress_servers.held_sink() as (address, port):
+        handle = hook.create(spec=SandboxSpec(allow_egress_to_cidrs=[f"{address}/32"]))
+        directory = gateway_dir(hook, handle)
+        with egress_servers.TreePeak(egress._gateway_pid(directory)) as peak:
+            got = egress_servers.flood(
+                hook, handle, egress.SANDBOX_SOCKET, FLOOD_SIZE, f"{address}:{port}", limit=60, quiet=3
+            )
+    assert got == {"held": held, "refused": FLOOD_SIZE - held, "other": 0, "waiting": 0}
+    assert (peak.processes, peak.threads <= 4) == (2, True), (peak.processes, peak.threads)
+    if held < FLOOD_SIZE:
+        assert refusals_logged(directory, cap) == FLOOD_SIZE - held
+    else:
+        assert peak.files >= 2 * FLOOD_SIZE and refusals_logged(directory, cap) == 0
+
+
+def test_the_gateway_holds_neither_direction_back_in_memory(make_hook):
+    hook = make_hook()
+    rss = egress_servers.assert_flow_controlled(
+        hook,
+        lambda spec: hook.create(spec=spec),
+        egress.SANDBOX_SOCKET,
+        lambda handle: egress._gateway_pid(gateway_dir(hook, handle)),
+    )
+    assert rss < 128 << 20, rss
+
+
+def test_plain_http_bodies_are_held_to_the_gateway_s_budget(make_hook, world, monkeypatch):
+    """
+    proxy.py keeps a plain http:// body whole while it passes, so what the gateway's connections
+    hold together is capped (HOLD_BYTES, 8 MiB here): a 32 MiB body is cut off, logged. Positive
+    control: a 4 MiB one, under the cap, comes whole.
+    """
+    monkeypatch.setattr(egress, "HOLD_BYTES", 8 << 20)
+    hook = make_hook()
+    handle = hook.create(spec=SandboxSpec(allow_egress_to_cidrs=[f"{world.plain_address}/32"]))
+
+    def fetch(size: int) -> str:
+        url = f"http://{world.plain_address}:{world.plain_port}/bytes/{size}"
+        return run(hook, handle, f"python3 -c {shlex.quote(egress_servers.SIZE)} {url}").stdout.strip()
+
+    assert fetch(4 << 20) == str(4 << 20)
+    assert fetch(32 << 20) in ("IncompleteRead", "RemoteDisconnected", "ConnectionResetError")
+    with open(os.path.join(gateway_dir(hook, handle), egress.LOG), encoding="utf-8") as f:
+        assert "more than the 8388608 they may hold together, and this one held the most" in f.read()
+
+
+def refusals_logged(directory: str, cap: int) -> int:
+    """The refusals past ``cap`` the gateway of ``directory`` logged, once its tally (a second late) is in."""
+    return egress_servers.refusals_logged(os.path.join(directory, egress.LOG), cap)
 
 
 def test_code_inside_cannot_see_or_change_the_allowlist(make_hook, world):

@@ -282,6 +282,13 @@ class TestCreate:
             ("2001:db8::/32", "IPv6"),
             ("203.0.113.5/24", "host bits"),
             ("0.0.0.0/0", "every address"),
+            # Modal's "public ranges only" keeps every catch-all away from loopback and metadata, as
+            # the gateway's guarded blocks do on local and Docker: no /1 half, no IPv6 or mapped form.
+            ("0.0.0.0/1", "overlaps 0.0.0.0/8"),
+            ("128.0.0.0/1", "overlaps 169.254.0.0/16"),
+            ("::/0", "IPv6"),
+            ("::ffff:127.0.0.1/128", "IPv6"),
+            ("64:ff9b::/96", "IPv6"),
             ("example.com", "not an IPv4"),
         ],
     )

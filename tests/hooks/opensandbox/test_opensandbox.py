@@ -203,6 +203,14 @@ def test_a_blocked_network_is_accepted_only_when_the_sidecar_reports_dns_nft(hoo
     assert handle in fake.sandboxes
 
 
+def test_a_guarded_block_named_on_its_own_is_sent_as_given(hook, fake):
+    """The positive control of the catch-all refusals below: naming the block itself passes."""
+    cidrs = ["169.254.169.254/32", "127.0.0.0/8", "::ffff:127.0.0.0/104", "198.51.100.0/24"]
+    hook.create(spec=SandboxSpec(allow_egress_to_cidrs=cidrs))
+    sent = json.loads(fake.requests[0].content)["networkPolicy"]["egress"]
+    assert [rule["target"] for rule in sent] == cidrs
+
+
 @pytest.mark.parametrize(
     ("mode", "reported", "found"),
     [
@@ -234,6 +242,14 @@ def test_a_server_that_cannot_start_the_sidecar_says_so(hook, fake):
         (SandboxSpec(allow_egress_to=["203.0.113.9"]), "is not a hostname"),
         (SandboxSpec(allow_egress_to_cidrs=["203.0.113.7/24"]), "is not an address range"),
         (SandboxSpec(allow_egress_to_cidrs=["not-a-range"]), "is not an address range"),
+        # A catch-all would open the server host's metadata address (and loopback, unspecified) too,
+        # which the sidecar cannot carve out; each IPv4 block also counts in its mapped and NAT64 forms.
+        (SandboxSpec(allow_egress_to_cidrs=["0.0.0.0/0"]), r"covers 127\.0\.0\.0/8 \(loopback\) without naming"),
+        (SandboxSpec(allow_egress_to_cidrs=["128.0.0.0/1"]), r"covers 169\.254\.0\.0/16 \(link-local"),
+        (SandboxSpec(allow_egress_to_cidrs=["::/0"]), r"covers ::1/128 \(loopback\)"),
+        (SandboxSpec(allow_egress_to_cidrs=["::ffff:0:0/96"]), r"covers 127\.0\.0\.0/8"),
+        (SandboxSpec(allow_egress_to_cidrs=["64:ff9b::/96"]), r"covers 127\.0\.0\.0/8"),
+        (SandboxSpec(allow_egress_to_cidrs=["fd00::/8"]), r"covers fd00:ec2::254/128 \(a cloud metadata address\)"),
         (SandboxSpec(block_network=False, env={"BIG": "x" * 200_000}), "more than the OpenSandbox backend can pass"),
     ],
 )

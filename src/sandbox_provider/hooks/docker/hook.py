@@ -103,6 +103,8 @@ class DockerSandboxHook(GatewayEgress, DockerExec, StreamFiles, ShellFiles, Atta
     :param egress_pins: hostname -> address (or list of them) that the egress gateway uses instead
         of resolving the name, trusted even in private or loopback ranges (an internal mirror, a
         test server); the name must still be listed in ``allow_egress_to``.
+    :param egress_max_connections: the most connections a sandbox's egress gateway holds at once
+        (default 64, at most 1024); past it a connection is refused (HTTP 503) and the task log says so.
     :raises ValueError: for a setting out of bounds or an unknown pull policy.
     """
 
@@ -147,6 +149,7 @@ class DockerSandboxHook(GatewayEgress, DockerExec, StreamFiles, ShellFiles, Atta
         pull: str = "missing",
         egress_ports: Sequence[int] = egress.DEFAULT_PORTS,
         egress_pins: Mapping[str, Any] | None = None,
+        egress_max_connections: int = egress.MAX_CONNECTIONS,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -159,6 +162,7 @@ class DockerSandboxHook(GatewayEgress, DockerExec, StreamFiles, ShellFiles, Atta
         self.pull = pull
         self.egress_ports = egress.check_ports(egress_ports)
         self.egress_pins = egress.host_pins(egress_pins)
+        self.egress_max_connections = egress.check_max_connections(egress_max_connections)
         self._lock = threading.Lock()
         self._client_obj: docker.DockerClient | None = None
         self._settings_obj: dict[str, Any] | None = None
@@ -254,13 +258,14 @@ class DockerSandboxHook(GatewayEgress, DockerExec, StreamFiles, ShellFiles, Atta
         """Start the gateway of a new sandbox whose spec has allowlists, its forwarder in the container's network."""
         pid = int((self._client().api.inspect_container(container_id).get("State") or {}).get("Pid") or 0)
         directory = egress.docker_gateway_dir(handle)
-        forward, watch = egress.docker_forward(directory, pid)
+        forward, watch = egress.docker_forward(directory, pid, self.egress_max_connections)
         egress.start_gateway(
             directory,
             egress.policy_for(handle, request.spec, ports=self.egress_ports, pins=self.egress_pins),
             expires_at=request.expires_at,
             watch=watch,
             forward=[forward],
+            max_connections=self.egress_max_connections,
         )
 
     def _run(self, handle: str, command: str, *, timeout: float, output: OutputSink) -> RunOutcome:

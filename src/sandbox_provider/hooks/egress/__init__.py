@@ -17,6 +17,15 @@ that ignore them fail, since names do not resolve and no address is routed.
   network namespace from the worker (``nsenter --net``), outside the container's processes, so
   nothing in the container can stop or replace it (:func:`docker_forward`).
 
+Each gateway holds at most ``max_connections`` connections at once (:data:`MAX_CONNECTIONS` unless
+the hook says otherwise) and refuses more with a log line; it runs as one event loop (at most four
+threads), stops reading a side while :data:`QUEUE_BYTES` wait for the other, and holds at most
+:data:`HOLD_BYTES` for all its connections; see :mod:`~sandbox_provider.hooks.egress.bounds`. The Docker forwarder, which runs on the worker
+outside the container's limits, forks one socat per connection up to the cap and
+:data:`FORWARD_SPARE` more (``max-children``): those spare ones reach the gateway and are refused
+with a log line rather than left waiting, and the worker never holds more socat processes than
+that for a sandbox. The local forwarder runs inside the sandbox, within its own process limit.
+
 The gateway starts at create, is recorded in its directory (configuration, socket, log, pid), and
 stops at destroy, at the sandbox's end, and by itself when the sandbox is gone; every attempt,
 allowed or refused, is logged with the handle there, and the hooks copy new lines to the task log
@@ -53,8 +62,13 @@ from sandbox_provider.sandbox.spec import SandboxSpec, decode_network_policy, ho
 __all__ = [
     "DEFAULT_PORTS",
     "FORWARD_PORT",
+    "GATEWAY_BASE_BYTES",
+    "HOLD_BYTES",
+    "QUEUE_BYTES",
+    "MAX_CONNECTIONS",
     "EgressPolicy",
     "LocalLaunch",
+    "check_max_connections",
     "check_ports",
     "host_pins",
     "missing_tools",
@@ -73,6 +87,21 @@ log = logging.getLogger(__name__)
 FORWARD_PORT = 3128
 #: Where the local backend binds the gateway's socket inside a sandbox.
 SANDBOX_SOCKET = "/run/airflow-sandbox/egress.sock"
+#: The connections a sandbox's gateway holds at once unless the hook sets ``egress_max_connections``
+#: (enough for uv's 50 parallel downloads; pip uses one or two).
+MAX_CONNECTIONS = 64
+#: The most ``egress_max_connections`` may be.
+MAX_CONNECTIONS_LIMIT = 1024
+#: How many more connections than the cap the Docker forwarder accepts, for the gateway to refuse.
+FORWARD_SPARE = 16
+#: Bytes a gateway queues for one side of a connection before it stops reading the other side.
+QUEUE_BYTES = 1024 * 1024
+#: Bytes all of a gateway's connections may hold together (queues, plain ``http://`` bodies, which
+#: proxy.py keeps whole while they pass); past it, the connection holding the most is closed.
+HOLD_BYTES = 256 * 1024 * 1024
+#: The data (heap and private mappings) each of a gateway's two processes may have besides twice
+#: ``HOLD_BYTES`` (proxy.py copies a growing body), in bytes.
+GATEWAY_BASE_BYTES = 128 * 1024 * 1024
 #: Seconds a gateway may take to listen.
 START_TIMEOUT = 30.0
 #: The files of a gateway's directory.
@@ -96,6 +125,20 @@ def missing_tools(*, nsenter: bool = False) -> list[str]:
     if nsenter and shutil.which("nsenter") is None:
         missing.append("nsenter on the worker (apt-get install util-linux)")
     return missing
+
+
+def check_max_connections(value: Any) -> int:
+    """
+    ``value`` as the most connections a sandbox's gateway holds at once (1 to 1024).
+
+    :raises ValueError: for anything else.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_CONNECTIONS_LIMIT:
+        raise ValueError(
+            f"egress_max_connections must be a whole number of connections from 1 to {MAX_CONNECTIONS_LIMIT}, "
+            f"got {value!r}."
+        )
+    return value
 
 
 def policy_for(handle: str, spec: SandboxSpec, *, ports: Sequence[int], pins: Mapping[str, Any] | None) -> EgressPolicy:
@@ -167,6 +210,7 @@ def start_gateway(
     forward: Sequence[Sequence[str]] = (),
     socket_owner: int | None = None,
     dir_mode: int = 0o700,
+    max_connections: int = MAX_CONNECTIONS,
 ) -> int:
     """
     Start the gateway for ``policy`` in ``directory`` (made, mode 0700; the socket is ``gateway.sock``
@@ -178,6 +222,7 @@ def start_gateway(
     :param forward: command lines the gateway starts once it listens, and ends with itself.
     :param socket_owner: a user id to hand the socket to (mode 0600), else mode 0666.
     :param dir_mode: the directory's mode: 0711 lets a sandbox's own user reach the socket in it.
+    :param max_connections: the most connections it holds at once; it refuses more (``503``), logging that.
     :raises SandboxTerminalError: if it does not listen within 30 s, or (with ``forward``) the socket
         path is longer than a Unix socket path may be.
     """
@@ -191,7 +236,13 @@ def start_gateway(
         )
     os.makedirs(directory, mode=dir_mode, exist_ok=True)
     os.chmod(directory, dir_mode)
-    config_path = _write_config(directory, policy, expires_at, watch, forward, socket_owner is not None)
+    limits = {
+        "max_connections": check_max_connections(max_connections),
+        "queue_bytes": QUEUE_BYTES,
+        "hold_bytes": HOLD_BYTES,
+        "memory_bytes": GATEWAY_BASE_BYTES + 2 * HOLD_BYTES,
+    }
+    config_path = _write_config(directory, policy, expires_at, watch, forward, socket_owner is not None, limits)
     proc = _spawn(directory, config_path)
     _wait_ready(directory, proc, START_TIMEOUT)
     if socket_owner is not None:
@@ -214,6 +265,7 @@ def _write_config(
     watch: Mapping[str, Any],
     forward: Sequence[Sequence[str]],
     private_socket: bool,
+    limits: Mapping[str, int],
 ) -> str:
     """Write the gateway's configuration (mode 0600) into ``directory``; return its path."""
     config = {
@@ -226,6 +278,7 @@ def _write_config(
         "forward": [list(argv) for argv in forward],
         "socket_mode": 0o600 if private_socket else 0o666,
         "forward_port": FORWARD_PORT,
+        **limits,
     }
     config_path = os.path.join(directory, CONFIG)
     with open(os.open(config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w", encoding="utf-8") as f:
@@ -257,10 +310,11 @@ def start_local_gateway(
     ports: Sequence[int],
     pins: Mapping[str, Any],
     socket_owner: int | None,
+    max_connections: int = MAX_CONNECTIONS,
 ) -> int:
     """
     Start the gateway of the local sandbox whose directory is ``path`` (its handle is the last part),
-    ending when that directory is gone; return its pid.
+    ending when that directory is gone, holding at most ``max_connections`` at once; return its pid.
 
     :raises SandboxTerminalError: if the sandbox's ``image`` (a root filesystem; None for the worker's
         own) has no ``/usr/bin/socat``, or the gateway does not start.
@@ -277,6 +331,7 @@ def start_local_gateway(
         watch={"dir": path},
         socket_owner=socket_owner,
         dir_mode=0o711,
+        max_connections=max_connections,
     )
 
 
@@ -411,11 +466,15 @@ def local_launch(directory: str, argv: Sequence[str]) -> LocalLaunch:
     )
 
 
-def docker_forward(directory: str, pid: int) -> tuple[list[str], dict[str, int]]:
+def docker_forward(
+    directory: str, pid: int, max_connections: int = MAX_CONNECTIONS
+) -> tuple[list[str], dict[str, int]]:
     """
     The forwarder of a Docker sandbox whose container's first process is host pid ``pid``: socat in
     that process's network namespace (``nsenter --net``) listening on ``127.0.0.1:3128``, handing
-    connections to the gateway's socket; and what the gateway watches (that namespace).
+    connections to the gateway's socket, one child process per connection and at most
+    ``max_connections`` + :data:`FORWARD_SPARE` of them (as many more wait to be taken, in the
+    kernel's queue); and what the gateway watches (that namespace).
 
     :raises SandboxTerminalError: if that process's namespace cannot be seen from the worker.
     """
@@ -426,13 +485,14 @@ def docker_forward(directory: str, pid: int) -> tuple[list[str], dict[str, int]]
             f"The Docker sandbox's network namespace (process {pid}) is not visible on this worker ({err}); an "
             "egress allowlist on Docker needs the Engine on the worker's own host and a root worker."
         ) from err
+    children = max_connections + FORWARD_SPARE
     argv = [
         shutil.which("nsenter") or "nsenter",
         f"--target={pid}",
         "--net",
         "--",
         shutil.which("socat") or "socat",
-        f"TCP-LISTEN:{FORWARD_PORT},bind=127.0.0.1,reuseaddr,fork",
+        f"TCP-LISTEN:{FORWARD_PORT},bind=127.0.0.1,reuseaddr,fork,max-children={children},backlog={children}",
         f"UNIX-CONNECT:{os.path.join(directory, SOCKET)}",
     ]
     return argv, {"pid": pid, "netns": inode}
@@ -453,7 +513,8 @@ def reach(base: NetworkReach, ports: Sequence[int]) -> NetworkReach:
         cidrs=(
             f"any TCP port, only through the proxy at {proxy} that HTTPS_PROXY and HTTP_PROXY name, with HTTP CONNECT, "
             "so other TCP protocols need a client that tunnels through it; no address is routed otherwise and UDP "
-            "goes nowhere"
+            "goes nowhere; loopback, link-local (cloud metadata) and the worker's own addresses only where a range "
+            "names them, never through a catch-all such as 0.0.0.0/0"
         ),
         both="Only listed names are resolved, and only by the proxy.",
     )

@@ -3,6 +3,9 @@ The egress gateway process of one sandbox: proxy.py, an HTTP forward proxy (``CO
 absolute ``http://`` requests), listening only on a Unix socket, with :class:`AllowlistPlugin`
 deciding every connection attempt by :func:`~sandbox_provider.hooks.egress.rules.decide`.
 
+Its cost is bounded whatever the sandbox does with the socket (threads, connections, flow control,
+memory): see :mod:`~sandbox_provider.hooks.egress.bounds`.
+
 Run as ``python -m sandbox_provider.hooks.egress.gateway <config.json>`` by
 :func:`sandbox_provider.hooks.egress.start_gateway`, outside the sandbox, as the worker's user.
 The configuration file names the policy, the socket, the log, the sandbox's end (Unix seconds) and
@@ -26,8 +29,11 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from sandbox_provider.hooks.egress import bounds
 from sandbox_provider.hooks.egress.rules import EgressPolicy, decide
 
+#: This module's import name, by which proxy.py loads its plugin (``-m`` runs it as ``__main__``).
+_MODULE = "sandbox_provider.hooks.egress.gateway"
 #: The environment variable naming the configuration file, for the plugin in proxy.py's processes.
 CONFIG_ENV = "SANDBOX_EGRESS_CONFIG"
 #: Seconds between two looks at whether the sandbox is still there.
@@ -35,14 +41,22 @@ WATCH_EVERY = 0.5
 
 log = logging.getLogger("sandbox_provider.egress")
 
+_config: dict[str, Any] | None = None
 _policy: EgressPolicy | None = None
+
+
+def _load_config() -> dict[str, Any]:
+    global _config
+    if _config is None:
+        with open(os.environ[CONFIG_ENV], encoding="utf-8") as f:
+            _config = json.load(f)
+    return _config
 
 
 def _load_policy() -> EgressPolicy:
     global _policy
     if _policy is None:
-        with open(os.environ[CONFIG_ENV], encoding="utf-8") as f:
-            _policy = EgressPolicy.from_json(json.load(f)["policy"])
+        _policy = EgressPolicy.from_json(_load_config()["policy"])
     return _policy
 
 
@@ -86,12 +100,17 @@ def _plugin_class() -> type:
     return AllowlistPlugin
 
 
+_built: dict[str, type] = {}
+
+
 def __getattr__(name: str) -> Any:
     # proxy.py loads plugins by dotted name; the class is built on first use, so importing this
     # module does not need proxy.py.
-    if name == "AllowlistPlugin":
-        return _plugin_class()
-    raise AttributeError(name)
+    if name != "AllowlistPlugin":
+        raise AttributeError(name)
+    if name not in _built:
+        _built[name] = _plugin_class()
+    return _built[name]
 
 
 def _still_there(watch: Mapping[str, Any]) -> bool:
@@ -129,6 +148,35 @@ def _wait_listening(child: subprocess.Popen, port: int, timeout: float = 10.0) -
     raise RuntimeError(f"the egress forwarder did not listen on 127.0.0.1:{port} (status {child.poll()})")
 
 
+def _proxy_args(config: Mapping[str, Any]) -> list[str]:
+    """proxy.py's command line for ``config``: one acceptor, threadless, this module's handler and plugin."""
+    return [
+        "--unix-socket-path",
+        config["socket"],
+        "--threadless",
+        "--local-executor",
+        "1",
+        "--num-acceptors",
+        "1",
+        "--work-klass",
+        f"{bounds.__name__}.BoundedHandler",
+        "--plugins",
+        f"{_MODULE}.AllowlistPlugin",
+        "--log-level",
+        "ERROR",
+        "--timeout",
+        "120",
+        # Reads of at most READ_BYTES from a side each time it is ready, and sends of up to 1 MiB to
+        # the other: more than it reads, so a side that keeps up is not held back by the gateway.
+        "--client-recvbuf-size",
+        str(bounds.READ_BYTES),
+        "--server-recvbuf-size",
+        str(bounds.READ_BYTES),
+        "--max-sendbuf-size",
+        str(1024 * 1024),
+    ]
+
+
 def serve(config: Mapping[str, Any]) -> int:
     """Run the gateway ``config`` describes until the sandbox ends or is gone; the exit status."""
     from proxy import Proxy
@@ -139,21 +187,11 @@ def serve(config: Mapping[str, Any]) -> int:
     logging.getLogger("proxy").setLevel(logging.ERROR)
     stopping: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
-    args = [
-        "--unix-socket-path",
-        config["socket"],
-        "--threaded",
-        "--num-acceptors",
-        "1",
-        "--plugins",
-        "sandbox_provider.hooks.egress.gateway.AllowlistPlugin",
-        "--log-level",
-        "ERROR",
-        "--timeout",
-        "120",
-    ]
+    limits = bounds.Bounds.of(_load_policy().handle, config)
+    bounds.configure(limits)
+    bounds.limit_process(limits)
     children: list[subprocess.Popen] = []
-    with Proxy(args):
+    with Proxy(_proxy_args(config)) as proxy:
         os.chmod(config["socket"], int(config.get("socket_mode", 0o666)))
         try:
             for argv in config.get("forward", []):
@@ -163,13 +201,27 @@ def serve(config: Mapping[str, Any]) -> int:
                 ready.write(str(os.getpid()))
             watch = config.get("watch", {})
             while not stopping and time.time() < float(config["expires_at"]) and _still_there(watch):
-                if any(child.poll() is not None for child in children):
-                    log.info("sandbox %s egress forwarder ended; the gateway stops", _load_policy().handle)
+                ended = _ended(children, proxy.acceptors.acceptors if proxy.acceptors else [])
+                if ended:
+                    log.info("sandbox %s egress %s; the gateway stops", _load_policy().handle, ended)
                     break
                 time.sleep(WATCH_EVERY)
         finally:
             _stop(children)
     return 0
+
+
+def _ended(children: list[subprocess.Popen], acceptors: list[Any]) -> str | None:
+    """What of the gateway's own processes ended (a forwarder, proxy.py's acceptor), in words; None if none."""
+    if any(child.poll() is not None for child in children):
+        return "forwarder ended"
+    for acceptor in acceptors:
+        if not acceptor.is_alive():
+            return (
+                f"connection acceptor ended (status {acceptor.exitcode}), having met the gateway's cap on open "
+                "descriptors or memory"
+            )
+    return None
 
 
 def main(argv: list[str]) -> int:

@@ -18,13 +18,15 @@ class GatewayEgress:
     Mixin for a ``SandboxHook`` that enforces ``allow_egress_to`` and ``allow_egress_to_cidrs``
     through :mod:`sandbox_provider.hooks.egress`. The hook sets ``egress_ports`` and
     ``egress_pins`` (checked with :func:`~sandbox_provider.hooks.egress.check_ports` and
-    :func:`~sandbox_provider.hooks.egress.host_pins`) in its constructor.
+    :func:`~sandbox_provider.hooks.egress.host_pins`) and ``egress_max_connections``
+    (:func:`~sandbox_provider.hooks.egress.check_max_connections`) in its constructor.
     """
 
     #: Whether the forwarder enters the sandbox's namespace from the worker (nsenter, as root).
     egress_from_outside: ClassVar[bool] = False
     egress_ports: tuple[int, ...] = egress.DEFAULT_PORTS
     egress_pins: Mapping[str, tuple[str, ...]] = {}
+    egress_max_connections: int = egress.MAX_CONNECTIONS
 
     def _refusal(self, spec: SandboxSpec) -> str | None:
         name = str(getattr(self, "display_name", "sandbox"))

@@ -88,6 +88,8 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
     :param egress_pins: hostname -> address (or list of them) that the egress gateway uses instead
         of resolving the name, trusted even in private or loopback ranges (an internal mirror, a
         test server); the name must still be listed in ``allow_egress_to``.
+    :param egress_max_connections: the most connections a sandbox's egress gateway holds at once
+        (default 64, at most 1024); past it a connection is refused (HTTP 503) and the task log says so.
     :raises ValueError: for a bad argument (a non-positive limit, a relative workdir, a bad range).
     """
 
@@ -138,6 +140,7 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         bwrap_path: str = "bwrap",
         egress_ports: Sequence[int] = egress.DEFAULT_PORTS,
         egress_pins: Mapping[str, Any] | None = None,
+        egress_max_connections: int = egress.MAX_CONNECTIONS,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -151,6 +154,7 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         self.bwrap_path = bwrap_path
         self.egress_ports = egress.check_ports(egress_ports)
         self.egress_pins = egress.host_pins(egress_pins)
+        self.egress_max_connections = egress.check_max_connections(egress_max_connections)
         self._settings: dict[str, Any] | None = None
         self._leases_swept = 0.0
         self._bwrap_found: str | None = None
@@ -323,6 +327,7 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
                 ports=self.egress_ports,
                 pins=self.egress_pins,
                 socket_owner=self.uid_of(handle) if self._drops_root else None,
+                max_connections=self.egress_max_connections,
             )
         except BaseException:
             self._destroy(handle)

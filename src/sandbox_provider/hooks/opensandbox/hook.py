@@ -35,6 +35,7 @@ How the pieces map onto the server:
 from __future__ import annotations
 
 import io
+import ipaddress
 import logging
 import math
 import posixpath
@@ -47,6 +48,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import IO, Any
 
+from sandbox_provider.hooks.egress.rules import uncarved_guard
 from sandbox_provider.hooks.forms.opensandbox import FORM
 from sandbox_provider.hooks.opensandbox import driver
 from sandbox_provider.sandbox import guest
@@ -195,6 +197,15 @@ class OpenSandboxHook(Attachable, SandboxHook):
                 return (
                     f"allow_egress_to_cidrs entry {cidr!r} is not an address range. Write it as '203.0.113.0/24' "
                     "or a single address such as '203.0.113.7/32', with no host bits set."
+                )
+            guarded = uncarved_guard(ipaddress.ip_network(cidr.strip()))
+            if guarded is not None:
+                block, what = guarded
+                return (
+                    f"allow_egress_to_cidrs entry {cidr!r} covers {block} ({what}) without naming it, and the "
+                    "OpenSandbox egress sidecar cannot leave that block out, so the sandbox would reach it. List "
+                    f"narrower ranges that leave {block} out, or list {block} (or a range inside it) on its own "
+                    "if the sandbox is meant to reach it."
                 )
         return None
 
