@@ -64,7 +64,7 @@ def test_construction_reads_no_connection_and_imports_no_sdk(monkeypatch):
     monkeypatch.setenv("BOAT_API_KEY", "k")
     from airflow.exceptions import AirflowOptionalProviderFeatureException
 
-    with pytest.raises(AirflowOptionalProviderFeatureException, match=r"airflow-provider-sandbox\[boat\]"):
+    with pytest.raises(AirflowOptionalProviderFeatureException, match=r"'\.\[boat\]' in a clone"):
         BoatSandboxHook().create(spec=OPEN)
 
 

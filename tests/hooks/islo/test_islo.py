@@ -72,7 +72,7 @@ def test_construction_reads_no_connection_and_imports_no_sdk(monkeypatch):
     hook = IsloSandboxHook(vcpus=2)
     from airflow.exceptions import AirflowOptionalProviderFeatureException
 
-    with pytest.raises(AirflowOptionalProviderFeatureException, match=r"airflow-provider-sandbox\[islo\]"):
+    with pytest.raises(AirflowOptionalProviderFeatureException, match=r"'\.\[islo\]' in a clone"):
         hook.create(spec=SandboxSpec())
 
 

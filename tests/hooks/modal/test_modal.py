@@ -119,7 +119,7 @@ class TestConstruction:
         hook = ModalSandboxHook(image="python:3.13-slim")
         from airflow.exceptions import AirflowOptionalProviderFeatureException
 
-        with pytest.raises(AirflowOptionalProviderFeatureException, match=r"airflow-provider-sandbox\[modal\]"):
+        with pytest.raises(AirflowOptionalProviderFeatureException, match=r"'\.\[modal\]' in a clone"):
             hook.create(spec=SandboxSpec())
 
     def test_accepts_a_modal_image(self, make_hook, modal_server):
