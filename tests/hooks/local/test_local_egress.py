@@ -254,3 +254,34 @@ def test_the_tool_description_says_what_passes(make_hook):
     text = make_hook(egress_ports=[443, 8443]).network_description(SandboxSpec(allow_egress_to=["pypi.org"]))
     assert "pypi.org" in text and "ports 443, 8443" in text and "DNS does not answer" in text
     assert "127.0.0.1:3128" in text
+
+
+#: Refused attempts the log test makes: their lines take far more than the small budget it sets.
+LOG_ATTEMPTS = 120
+
+
+def _refused_attempts(hook, handle, world) -> tuple[str, str]:
+    """Make :data:`LOG_ATTEMPTS` refused requests from ``handle``; their 403 count and its gateway's log."""
+    url = shlex.quote(world.url(UNLISTED))
+    loop = f"for i in $(seq {LOG_ATTEMPTS}); do curl -s -o /dev/null -w '%{{http_connect}}\\n' {url}; done"
+    codes = run(hook, handle, loop, timeout=240).stdout
+    with open(os.path.join(gateway_dir(hook, handle), egress.LOG), encoding="utf-8") as f:
+        return codes, f.read()
+
+
+def test_the_gateways_log_stops_growing_at_its_budget(make_hook, world, monkeypatch):
+    refused = f"egress refused CONNECT {UNLISTED}:{world.tls_port}"
+    # Control: at the default budget every attempt is a line, together far past the budget set below.
+    hook = make_hook()
+    codes, logged = _refused_attempts(hook, hook.create(spec=SandboxSpec(**world.spec_lists)), world)
+    assert codes.split() == ["403"] * LOG_ATTEMPTS
+    assert logged.count(refused) == LOG_ATTEMPTS and len(logged.encode()) > 4 * 4096
+    # A budget of 4 KiB: the first lines are written, then one line says the limit was reached; every
+    # later attempt is still refused.
+    monkeypatch.setattr(egress, "LOG_BYTES", 4096)
+    hook = make_hook()
+    codes, logged = _refused_attempts(hook, hook.create(spec=SandboxSpec(**world.spec_lists)), world)
+    assert codes.split() == ["403"] * LOG_ATTEMPTS
+    assert 0 < logged.count(refused) < LOG_ATTEMPTS // 4
+    assert "the egress log reached its limit of 4096 bytes" in logged
+    assert len(logged.encode()) <= 4096 + 2 * 200

@@ -102,6 +102,10 @@ HOLD_BYTES = 256 * 1024 * 1024
 #: The data (heap and private mappings) each of a gateway's two processes may have besides twice
 #: ``HOLD_BYTES`` (proxy.py copies a growing body), in bytes.
 GATEWAY_BASE_BYTES = 128 * 1024 * 1024
+#: Bytes a gateway's log may grow to (its lines about each attempt); past it, one line says so and
+#: later attempts are still judged, but no longer written down. The log lives on the worker's disk,
+#: and a sandbox decides how many attempts it makes.
+LOG_BYTES = 8 * 1024 * 1024
 #: Seconds a gateway may take to listen.
 START_TIMEOUT = 30.0
 #: The files of a gateway's directory.
@@ -241,6 +245,7 @@ def start_gateway(
         "queue_bytes": QUEUE_BYTES,
         "hold_bytes": HOLD_BYTES,
         "memory_bytes": GATEWAY_BASE_BYTES + 2 * HOLD_BYTES,
+        "log_bytes": LOG_BYTES,
     }
     config_path = _write_config(directory, policy, expires_at, watch, forward, socket_owner is not None, limits)
     proc = _spawn(directory, config_path)

@@ -30,6 +30,9 @@ sandbox's limits, so it needs bounds of its own:
   bodies and the queues) is held to ``hold_bytes``: past it, the connection that holds the most is
   closed, with a log line. The process's data is capped too (``RLIMIT_DATA``, ``memory_bytes``), in
   case anything else grows.
+- **Log.** Each attempt is a line of the gateway's log on the worker's disk; :class:`LogBudget` stops
+  writing at ``log_bytes`` (one last line says so), so a sandbox cannot fill the worker's disk by
+  making attempts.
 
 :func:`configure` sets the bounds in the gateway's process before proxy.py starts its acceptor,
 which is forked from it and inherits them.
@@ -49,7 +52,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SPARE_FILES", "Bounds", "configure", "limit_process"]
+__all__ = ["SPARE_FILES", "Bounds", "LogBudget", "configure", "limit_process"]
 
 log = logging.getLogger("sandbox_provider.egress")
 
@@ -76,6 +79,7 @@ class Bounds:
     :param queue_bytes: bytes queued for one side before the other is no longer read.
     :param hold_bytes: bytes all connections may hold together (queues and plain HTTP bodies).
     :param memory_bytes: the data each of its processes may have (``RLIMIT_DATA``).
+    :param log_bytes: the size its log may grow to; later lines are left out.
     """
 
     handle: str
@@ -83,11 +87,12 @@ class Bounds:
     queue_bytes: int
     hold_bytes: int
     memory_bytes: int
+    log_bytes: int
 
     @classmethod
     def of(cls, handle: str, config: Mapping[str, Any]) -> Bounds:
         """The bounds in a gateway's configuration."""
-        keys = ("max_connections", "queue_bytes", "hold_bytes", "memory_bytes")
+        keys = ("max_connections", "queue_bytes", "hold_bytes", "memory_bytes", "log_bytes")
         return cls(handle, *(int(config[key]) for key in keys))
 
 
@@ -112,6 +117,39 @@ def limit_process(bounds: Bounds) -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (bounds.memory_bytes, bounds.memory_bytes))
     files = 2 * bounds.max_connections + SPARE_FILES
     resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
+
+
+class LogBudget(logging.FileHandler):
+    """
+    A log file that stops growing at ``max_bytes``: a line that would take it past is left out, and
+    the first one left out is replaced by a line saying the limit was reached. The size is read from
+    the open file, which the gateway's acceptor (a fork) shares, so both processes keep one budget
+    (each may write its own closing line: the file ends at most two such lines past ``max_bytes``).
+    """
+
+    def __init__(self, path: str, max_bytes: int) -> None:
+        super().__init__(path, mode="a", encoding="utf-8")
+        self.max_bytes = max_bytes
+        self._closed_out = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._closed_out:
+            return
+        if self.stream is None:
+            self.stream = self._open()
+        line = self.format(record).encode("utf-8", "replace")
+        size = os.fstat(self.stream.fileno()).st_size
+        if size + len(line) + 1 <= self.max_bytes:
+            super().emit(record)
+            return
+        self._closed_out = True
+        if size < self.max_bytes:
+            self.stream.write(
+                f"{self.formatter.formatTime(record, self.formatter.datefmt) if self.formatter else ''} "
+                f"the egress log reached its limit of {self.max_bytes} bytes; later attempts are judged as "
+                "before but not written down\n"
+            )
+            self.flush()
 
 
 def _current() -> Bounds:

@@ -181,13 +181,13 @@ def serve(config: Mapping[str, Any]) -> int:
     """Run the gateway ``config`` describes until the sandbox ends or is gone; the exit status."""
     from proxy import Proxy
 
-    logging.basicConfig(
-        filename=config["log"], level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%Y-%m-%dT%H:%M:%S%z"
-    )
+    limits = bounds.Bounds.of(_load_policy().handle, config)
+    handler = bounds.LogBudget(config["log"], limits.log_bytes)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", datefmt="%Y-%m-%dT%H:%M:%S%z"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     logging.getLogger("proxy").setLevel(logging.ERROR)
     stopping: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
-    limits = bounds.Bounds.of(_load_policy().handle, config)
     bounds.configure(limits)
     bounds.limit_process(limits)
     children: list[subprocess.Popen] = []
