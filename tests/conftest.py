@@ -35,7 +35,7 @@ for _folder in [_TESTS, *sorted(e.path for e in os.scandir(os.path.join(_TESTS, 
         sys.path.append(_folder)
 
 #: Fixtures shared across test folders.
-pytest_plugins = ["scripted_model", "pid_namespace"]
+pytest_plugins = ["scripted_model", "pid_namespace", "stats_recorder"]
 
 
 @pytest.fixture

@@ -67,21 +67,53 @@ def independent_carrier_stats() -> dict[str, dict[str, float]]:
     }
 
 
-def run_dag_defined_here(dag, **run_conf):
+def sync_dags_defined_here(*dags, unpause: bool = False) -> None:
     """
-    Run with dag.test() a Dag a test module defines, which no Dag bundle holds: its serialized form is
-    written to the database first, under the configured Dag folder's bundle, as a Dag processor would.
+    Write Dags a test module defines, which no Dag bundle holds, to the database as a Dag processor
+    would, under the configured Dag folder's bundle; ``unpause`` them (new Dags start paused, and a
+    paused Dag is never queued by an Asset event).
     """
     import tempfile
 
     from airflow.dag_processing.bundles.manager import DagBundlesManager
     from airflow.dag_processing.dagbag import DagBag, sync_bag_to_db
+    from airflow.models.dag import DagModel
+    from airflow.utils.session import create_session
 
     manager = DagBundlesManager()
     manager.sync_bundles_to_db()
     bundle = next(iter(manager.get_all_dag_bundles())).name
     with tempfile.TemporaryDirectory() as empty:
         bag = DagBag(dag_folder=empty)
-    bag.bag_dag(dag)
+    for dag in dags:
+        bag.bag_dag(dag)
     sync_bag_to_db(bag, bundle, None)
+    if unpause:
+        with create_session() as session:
+            for dag in dags:
+                session.get(DagModel, dag.dag_id).is_paused = False
+
+
+def run_dag_defined_here(dag, **run_conf):
+    """Run with dag.test() a Dag a test module defines, written to the database first (see :func:`sync_dags_defined_here`)."""
+    sync_dags_defined_here(dag)
     return dag.test(run_conf=run_conf or None)
+
+
+def queued_by_assets(dag_id: str) -> list[str]:
+    """The URIs of the Assets whose events queued a run of ``dag_id``."""
+    from airflow.models.asset import AssetDagRunQueue, AssetModel
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        rows = session.query(AssetModel.uri).join(AssetDagRunQueue, AssetDagRunQueue.asset_id == AssetModel.id)
+        return sorted(uri for (uri,) in rows.filter(AssetDagRunQueue.target_dag_id == dag_id))
+
+
+def asset_events_from(dag_id: str) -> dict[str, dict]:
+    """``{asset URI: extra}`` of the Asset events runs of ``dag_id`` emitted."""
+    from airflow.models.asset import AssetEvent
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        return {e.asset.uri: dict(e.extra) for e in session.query(AssetEvent).filter_by(source_dag_id=dag_id)}

@@ -80,3 +80,33 @@ def test_attach_example_shares_one_sandbox_then_removes_it(migrated_airflow_db, 
     handle = xcom("provision")
     with pytest.raises(SandboxTerminalError, match="does not exist"):
         LocalSandboxHook().read_tags(handle)
+
+
+@needs_bwrap
+def test_assets_example_queues_the_consumer_once_the_producer_exported(migrated_airflow_db, tmp_path, monkeypatch):
+    import json
+
+    from dag_runs import asset_events_from, queued_by_assets, sync_dags_defined_here
+
+    monkeypatch.setenv("SANDBOX_DEMO_OUTPUT", str(tmp_path))  # read when the file is parsed
+    bag = load_bag(EXAMPLE_DIR / "example_sandbox_assets.py")
+    producer, consumer = bag.dags["example_sandbox_assets_producer"], bag.dags["example_sandbox_assets_consumer"]
+    sync_dags_defined_here(producer, consumer, unpause=True)
+    assets = sorted([f"{tmp_path.as_uri()}/assets/word_counts.json", f"{tmp_path.as_uri()}/assets/by_letter"])
+    assert queued_by_assets(consumer.dag_id) == []
+
+    produced = producer.test()
+
+    assert str(produced.state) == "success", task_states(produced)
+    assert queued_by_assets(consumer.dag_id) == assets
+    events = asset_events_from(producer.dag_id)
+    assert events[assets[0]]["file_count"] == len(list((tmp_path / "assets" / "by_letter").iterdir())) > 5
+    assert events[assets[1]]["sandbox_path"] == "word_counts.json" and events[assets[1]]["backend"] == "local"
+
+    consumed = consumer.test()
+
+    assert str(consumed.state) == "success", task_states(consumed)
+    ti = consumed.get_task_instance("check_counts")
+    assert ti is not None and str(ti.state) == "success"
+    counts = json.loads((tmp_path / "assets" / "word_counts.json").read_text())
+    assert sum(counts.values()) == 36 and counts["the"] == 5 and counts["producer's"] == 1

@@ -107,13 +107,13 @@ class PartialSink:
         base = name
         try:
             if not entry.directory:
-                stream = _new_file(entry.partial.path) if is_local(entry.partial) else entry.partial.open("wb")
+                stream = _new_file(entry.partial.path) if is_local(entry.partial) else _open_new(entry.partial)
             elif is_local(entry.partial):
                 *parents, base = name.split("/")
                 where = self._tree(index).make(parents)
                 stream = create_file(where, base)
             else:
-                stream = (entry.partial / name).open("wb")
+                stream = _open_new(entry.partial / name)
         except FileExistsError as err:
             raise SandboxError(
                 f"The export found something already at {entry.partial}/{name}; it writes new files only."
@@ -242,14 +242,28 @@ def _check_name(directory: int, name: str, relative: str) -> None:
         raise IsADirectoryError(relative)
 
 
+def _open_new(path: ObjectStoragePath) -> IO[bytes]:
+    """
+    ``path`` opened for writing on its store's filesystem. (Not through ``ObjectStoragePath.open`` or
+    ``.move``, which report each file to Airflow's hook lineage: a ``.partial`` copy is not what the job
+    wrote, and the session reports that itself, once, see :mod:`~sandbox_provider.engine.lineage`.)
+    """
+    return path.fs.open(path.path, "wb")
+
+
+def _move(source: ObjectStoragePath, target: ObjectStoragePath) -> None:
+    """Move ``source`` to ``target`` on their one store, unreported (see :func:`_open_new`)."""
+    source.fs.mv(source.path, target.path)
+
+
 def publish(entry: Staged) -> None:
     """Move ``entry``'s partial copy (file or directory) into place; see the module (:func:`check` it first)."""
     if not entry.directory:
-        entry.partial.move(entry.target)
+        _move(entry.partial, entry.target)
         return
     if not is_local(entry.target):
         for name in entry.files:
-            (entry.partial / name).move(entry.target / name)
+            _move(entry.partial / name, entry.target / name)
         remove_partial(entry.partial)
         return
     target = entry.target.path.rstrip("/")

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from sandbox_provider.engine import metrics
+from sandbox_provider.engine.lineage import SandboxReport, report_hook_lineage
 from sandbox_provider.engine.options import SessionOptions
 from sandbox_provider.engine.output import mask_text
 from sandbox_provider.engine.transfer import (
@@ -117,7 +119,11 @@ class SandboxSession:
             options = SessionOptions(sandbox_owner=owner, **fields)
         elif owner is not None or fields:
             raise ValueError("Pass either options or the separate keyword arguments, not both.")
-        options.check_backend(hook)
+        try:
+            options.check_backend(hook)
+        except SandboxTerminalError:
+            metrics.count("sandbox.refusals", hook)
+            raise
         self.hook = hook
         self.options = options
         self.attach_mode = options.attach_mode
@@ -144,6 +150,9 @@ class SandboxSession:
         self._pending: list[ImportEntry] = []
         self._watch: SupervisorWatch | None = None
         self.export_records: list[ExportRecord] = []
+        #: What this session did with its sandbox (handle, network, exit status, exports), for lineage.
+        self.report = SandboxReport.of(hook, self.spec, attached=self.attach_mode)
+        self._inputs_reported = False
 
     # -- identity ------------------------------------------------------------------------------------
 
@@ -257,15 +266,26 @@ class SandboxSession:
     def _stage_pending(self, handle: str) -> None:
         """Write the files and inputs not staged yet, in one batch."""
         entries, self._pending = self._pending, []
+        if not entries:
+            return
         try:
-            stage_batch(self.hook, handle, entries)
+            with metrics.timed("stage", self.hook):
+                stage_batch(self.hook, handle, entries)
         except SandboxError as err:
             raise SandboxTerminalError(f"Could not stage the inputs of sandbox {handle}: {err}") from err
+        self._report_inputs()
+
+    def _report_inputs(self) -> None:
+        """Tell Airflow's hook lineage which storage URLs were staged in, once."""
+        if self.inputs and not self._inputs_reported:
+            self._inputs_reported = True
+            report_hook_lineage(self.hook, inputs=[url for url in self.inputs.values() if isinstance(url, str)])
 
     def _attach(self) -> str:
         owner, holder = self._identity()
         try:
-            attached = self.hook.attach(self.attach_to, owner=owner, holder=holder)
+            with metrics.timed("attach", self.hook):
+                attached = self.hook.attach(self.attach_to, owner=owner, holder=holder)
         except SandboxTerminalError:
             raise
         except SandboxError as err:
@@ -273,6 +293,7 @@ class SandboxSession:
                 f"Could not attach to sandbox {self.attach_to!r} on backend {self.hook.name!r}: {err}"
             ) from err
         self._attached = attached
+        self.report.attached_to(attached)
         self._holder = holder
         if attached.remaining_lifetime is not None:
             self._expires_at = self._clock() + attached.remaining_lifetime
@@ -290,12 +311,14 @@ class SandboxSession:
     def _provision(self) -> str:
         self._end_earlier_tries()
         try:
-            handle = self.hook.create(spec=self.spec)
+            with metrics.timed("create", self.hook):
+                handle = self.hook.create(spec=self.spec)
         except SandboxTerminalError:
             raise
         except SandboxError as err:
             raise SandboxTerminalError(f"Could not provision a sandbox on backend {self.hook.name!r}: {err}") from err
         self._handle = handle
+        self.report.provisioned(self.hook, handle)
         self._log_provisioned(handle)
         return handle
 
@@ -372,6 +395,7 @@ class SandboxSession:
             log.info(
                 "Ended sandbox %s on backend %s, which try %s of this task left running", handle, self.hook.name, number
             )
+        metrics.count_leftovers_swept(self.hook, ended)
         if earlier and not ended:
             log.info(
                 "This is try %s; no earlier try of this task left a sandbox running on backend %s",
@@ -439,14 +463,17 @@ class SandboxSession:
         log.info("Running in sandbox %s (timeout %gs): %s", handle, float(timeout), shown)
         started = self._clock()
         try:
-            result = self._run_staged(
-                handle, command, stage, float(timeout), int(max_output_bytes), on_output, read_back
-            )
+            with metrics.timed("run", self.hook, clock=self._clock, staged="true" if stage else "false"):
+                result = self._run_staged(
+                    handle, command, stage, float(timeout), int(max_output_bytes), on_output, read_back
+                )
         finally:
             flush = getattr(on_output, "flush", None)
             if callable(flush):
                 flush()  # a last line without a newline goes to the log before how the command ended
-        log.info("%s after %.1fs", _ending(result), self._clock() - started)
+        self._ran(result, self._clock() - started)
+        if stage:
+            self._report_inputs()
         if result.sandbox_terminated:
             with self._lock:
                 self._handle = None
@@ -457,6 +484,17 @@ class SandboxSession:
                         "The task that provisioned it decides its lifetime, so nothing can replace it here."
                     )
         return result
+
+    def _ran(self, result: SandboxExecResult, seconds: float) -> None:
+        """Log, count and record how a command ended."""
+        log.info("%s after %.1fs", _ending(result), seconds)
+        if result.timed_out:
+            metrics.count("sandbox.timeouts", self.hook)
+        if result.sandbox_terminated:
+            metrics.count("sandbox.failures", self.hook, step="run")
+        self.report.exit_code = None if result.timed_out or result.sandbox_terminated else result.exit_code
+        self.report.timed_out = result.timed_out
+        self.report.command_seconds = round(seconds, 3)
 
     def _run_staged(self, handle, command, stage, timeout, max_output_bytes, on_output, read_back) -> SandboxExecResult:
         """The command, with the files and inputs still to stage written in by the same launch."""
@@ -512,29 +550,37 @@ class SandboxSession:
             watch.stop()
         try:
             if succeeded and self.exports:
-                if handle is None:
-                    names = ", ".join(repr(p) for p in self.exports)
-                    raise SandboxTerminalError(
-                        f"The run ended with no sandbox standing, so none of the files it was to export exist: {names}."
-                    )
-                self.export_records = export_files(
-                    self.hook,
-                    handle,
-                    self.exports,
-                    conn_id=self.export_conn_id,
-                    max_bytes=self.max_export_bytes,
-                    stamps=self._trace(),
-                )
+                self._export(handle)
             return self.export_records
         finally:
             if handle is not None:
                 self._teardown(handle)
 
+    def _export(self, handle: str | None) -> None:
+        """Copy the exports out (see :func:`~sandbox_provider.engine.transfer.export_files`), timed and reported."""
+        with metrics.timed("export", self.hook):
+            if handle is None:
+                names = ", ".join(repr(p) for p in self.exports)
+                raise SandboxTerminalError(
+                    f"The run ended with no sandbox standing, so none of the files it was to export exist: {names}."
+                )
+            self.export_records = export_files(
+                self.hook,
+                handle,
+                self.exports,
+                conn_id=self.export_conn_id,
+                max_bytes=self.max_export_bytes,
+                stamps=self._trace(),
+            )
+        self.report.exports = list(self.export_records)
+        report_hook_lineage(self.hook, exports=self.export_records)
+
     def _teardown(self, handle: str) -> None:
         destroy = (not self.attach_mode) if self.keep is None else (self.keep is False)
         if destroy:
             try:
-                self.hook.destroy(handle)
+                with metrics.timed("destroy", self.hook):
+                    self.hook.destroy(handle)
                 log.info("Destroyed sandbox %s on backend %s, with its files and processes", handle, self.hook.name)
             except Exception:
                 log.warning(

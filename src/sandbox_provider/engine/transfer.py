@@ -69,11 +69,15 @@ _PARTIAL = re.compile(r"(?P<name>.+)\.airflow-(?P<key>[0-9a-f]{12})-(?P<try>\d{1
 
 @dataclass(frozen=True)
 class ExportRecord:
-    """One exported file: the sandbox path, where it landed, and its size in bytes."""
+    """
+    One export entry: the sandbox path, where it landed, its size in bytes (a directory's: all its
+    files'), and how many files it holds (1 for a file).
+    """
 
     path: str
     url: str
     size_bytes: int
+    file_count: int = 1
 
 
 def check_transfer_map(mapping: Any, what: str, *, urls: bool, templated: bool = False) -> dict[str, Any]:
@@ -208,7 +212,9 @@ def _input_entries(path: str, url: str, conn_id: str | None) -> list[ImportEntry
         real = resolve_file_input(source.path, url, what)
         return [_local_entry(path, source.path, real, url, what, None)]
     size = int(source.fs.info(source.path)["size"])
-    return [ImportEntry(path, size, lambda: source.open("rb"))]
+    # Read on the store's filesystem, not through ObjectStoragePath.open, which would report the read to
+    # Airflow's hook lineage a second time: the session reports each input once (engine/lineage.py).
+    return [ImportEntry(path, size, _opener(source.fs, source.path))]
 
 
 def _local_entry(path: str, local: str, real: str, url: str, what: str, inside: str | None) -> ImportEntry:
@@ -649,5 +655,5 @@ def _publish(staged: list[Staged]) -> list[ExportRecord]:
             raise SandboxTerminalError(message) from err
         url = str(entry.target) + ("/" if entry.directory else "")
         log.info("Published %s (%s%s)", url, format_size(entry.size), f", {len(entry.files)} files" * entry.directory)
-        done.append(ExportRecord(path=entry.path, url=url, size_bytes=entry.size))
+        done.append(ExportRecord(entry.path, url, entry.size, len(entry.files) if entry.directory else 1))
     return done

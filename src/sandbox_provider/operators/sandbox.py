@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowException, AirflowSkipException
 
+from sandbox_provider.engine.lineage import SandboxReport, emit_asset_events, plan_assets
 from sandbox_provider.engine.options import SessionOptions, check_attachable
 from sandbox_provider.engine.output import LineLog, mask_stream, tail_text
 from sandbox_provider.engine.session import SandboxSession
@@ -23,7 +24,8 @@ from sandbox_provider.sandbox.spec import (
 )
 
 if TYPE_CHECKING:
-    from airflow.sdk import Context
+    from airflow.providers.openlineage.extractors import OperatorLineage
+    from airflow.sdk import Asset, AssetAlias, Context
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +101,16 @@ class SandboxOperator(BaseOperator):
         which blocks the network. Not allowed with ``attach_to``.
     :param files: ``{sandbox path: text or bytes}`` written into the sandbox before the command.
     :param inputs: ``{sandbox path: storage URL}`` streamed into the sandbox before the command
-        (templated); any URL ``ObjectStoragePath`` opens (``s3://``, ``gs://``, ``file:///``).
+        (templated); any URL ``ObjectStoragePath`` opens (``s3://``, ``gs://``, ``file:///``). An
+        Airflow ``Asset`` may stand for its URI; it is added to the task's inlets.
     :param exports: ``{sandbox path: storage URL}`` copied out after the command succeeds
-        (templated). All or nothing: a failed copy changes no destination.
+        (templated). All or nothing: a failed copy changes no destination. An Airflow ``Asset`` may
+        stand for its URI: it is added to the task's outlets, and its event carries ``bytes``,
+        ``file_count``, ``backend``, ``handle`` and ``sandbox_path``. A sandbox path ending in ``/`` (or
+        a glob) makes an Asset a directory.
+    :param exports_as_assets: True makes every literal export URL an ``Asset`` outlet too (a template
+        is refused: its Asset is unknown when the Dag is parsed); an ``AssetAlias`` is added to the
+        outlets and the rendered URLs are emitted through it. Default False.
     :param input_conn_id: Airflow connection for the input URLs.
     :param export_conn_id: Airflow connection for the export URLs.
     :param timeout: seconds before the command's process tree is killed; default 1800.
@@ -141,8 +150,8 @@ class SandboxOperator(BaseOperator):
         backend: SandboxHook | str | None = None,
         spec: SandboxSpec | None = None,
         files: Mapping[str, str | bytes] | None = None,
-        inputs: Mapping[str, str] | None = None,
-        exports: Mapping[str, str] | None = None,
+        inputs: Mapping[str, str | Asset] | None = None,
+        exports: Mapping[str, str | Asset] | None = None,
         input_conn_id: str | None = None,
         export_conn_id: str | None = None,
         timeout: float = DEFAULT_TIMEOUT,
@@ -152,17 +161,22 @@ class SandboxOperator(BaseOperator):
         attach_to: str | None = None,
         sandbox_owner: str | None = None,
         keep_sandbox: bool | None = None,
+        exports_as_assets: bool | AssetAlias = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         _check_command_and_backend(command, backend, attach_to, keep_sandbox)
+        self._assets = plan_assets(inputs, exports, exports_as_assets)
+        self.add_inlets([a for a in self._assets.inlets if a not in self.inlets])
+        self.add_outlets([a for a in self._assets.outlets if a not in self.outlets])
+        self.exports_as_assets = exports_as_assets
         self._options = SessionOptions(
             spec=spec,
             attach_to=attach_to,
             sandbox_owner=sandbox_owner,
             files=files or {},
-            inputs=inputs or {},
-            exports=exports or {},
+            inputs=self._assets.inputs,
+            exports=self._assets.exports,
             input_conn_id=input_conn_id,
             export_conn_id=export_conn_id,
             max_export_bytes=max_export_bytes,
@@ -267,7 +281,7 @@ class SandboxOperator(BaseOperator):
                     self._live.flush()
                 self._check_result(session, result)
             collected = self._collect(session, result)
-            self._kept_handle = session.handle
+            self._kept_handle = handle = session.handle
             succeeded = True
         finally:
             if not succeeded and self.keep_sandbox is True and not session.attach_mode:
@@ -276,6 +290,7 @@ class SandboxOperator(BaseOperator):
             session.close(succeeded=succeeded)
         for record in session.export_records:
             self.log.info("Exported %s to %s (%d bytes)", record.path, record.url, record.size_bytes)
+        emit_asset_events(context, self._assets, session.export_records, backend=session.hook.name, handle=handle)
         if self.keep_sandbox is True:
             self.log.info("Sandbox %s stays up for later tasks; attach with its handle", self._kept_handle)
         return self._xcom(session, result, collected)
@@ -304,6 +319,32 @@ class SandboxOperator(BaseOperator):
                 f"The command exited with status {result.exit_code} in sandbox {handle}. Last standard error:\n"
                 f"{stderr_tail}"
             )
+
+    # -- lineage: called by the OpenLineage provider, when it is installed --------------------------------
+
+    def _report(self) -> SandboxReport:
+        """The running (or last) session's report; before one, what the arguments say (a connection is looked up)."""
+        if self._session is not None:
+            return self._session.report
+        try:
+            hook = get_sandbox_hook(self.backend)
+        except Exception:
+            return SandboxReport(backend="unknown", conn_id=self.backend if isinstance(self.backend, str) else None)
+        spec = None if self.attach_to is not None else self.spec or SandboxSpec()
+        return SandboxReport.of(hook, spec, attached=self.attach_to is not None)
+
+    def get_openlineage_facets_on_start(self) -> OperatorLineage:
+        """The inputs and exports as OpenLineage datasets, and the ``sandbox`` run facet as far as it is known."""
+        from sandbox_provider.engine.openlineage import operator_lineage
+
+        return operator_lineage(inputs=self.inputs, exports=self.exports, report=self._report())
+
+    def get_openlineage_facets_on_complete(self, task_instance: Any) -> OperatorLineage:
+        """As on start, with what was exported (bytes, files) and how the sandbox and command ended."""
+        from sandbox_provider.engine.openlineage import operator_lineage
+
+        report = self._report()
+        return operator_lineage(inputs=self.inputs, exports=self.exports, report=report, exported=report.exports)
 
     def on_kill(self) -> None:
         """Destroy the sandbox of the running task, whatever ``keep_sandbox`` says."""
