@@ -5,7 +5,8 @@ The Islo and Boat stand-ins keep each sandbox's files in a directory on the host
 APIs read and write. Commands run in a bubblewrap mount namespace whose root is that directory,
 with the host's system directories read-only over it, so a path means the same file to a command
 and to the file API (``/tmp/x`` is the sandbox's, never the host's). Processes are host processes
-otherwise: no PID or network namespace, so background jobs outlive the command, as in a VM.
+otherwise: no PID namespace, so background jobs outlive the command, as in a VM, and the host's
+network unless the sandbox has none (a network namespace of its own, loopback only).
 """
 
 from __future__ import annotations
@@ -18,9 +19,16 @@ from pathlib import Path
 SYSTEM = ("usr", "bin", "lib", "lib32", "lib64", "libx32", "sbin", "etc")
 
 
-def spawn(argv: list[str], *, root: Path, cwd: str, env: dict[str, str], **popen: object) -> subprocess.Popen:
-    """Start ``argv`` with ``root`` as its ``/`` and ``cwd`` (a guest path) as its working directory."""
+def spawn(
+    argv: list[str], *, root: Path, cwd: str, env: dict[str, str], network: bool = True, **popen: object
+) -> subprocess.Popen:
+    """
+    Start ``argv`` with ``root`` as its ``/`` and ``cwd`` (a guest path) as its working directory;
+    ``network=False`` gives it a network namespace of its own (no route out, the host's loopback unseen).
+    """
     args = ["bwrap", "--unshare-user-try", "--die-with-parent", "--bind", str(root), "/"]
+    if not network:
+        args.append("--unshare-net")
     for name in SYSTEM:
         path = "/" + name
         if os.path.islink(path):

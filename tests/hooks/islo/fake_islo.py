@@ -7,7 +7,8 @@ sandbox's ``status`` (``"paused"``, say): activity resumes a paused sandbox whos
 ``auto_resume="on_activity"``, and is refused (409) otherwise. Each
 sandbox is a directory on the host that is the guest's ``/``: the file API reads and writes there,
 and commands really run with it as their root (:mod:`tests.hooks.guest_vm`), in the sandbox's
-working directory, so output, exit statuses, files and paths are real. Like the service, it caps each captured stream at 1 MiB
+working directory, so output, exit statuses, files and paths are real; a sandbox created with
+``internet_enabled=False`` runs them in a network namespace of its own. Like the service, it caps each captured stream at 1 MiB
 (keeping the head, and saying ``truncated``), overwrites ``PATH``, and ignores ``timeout_secs``.
 
 The API-key exchange does not go through the client's ``httpx_client``: the SDK posts it with
@@ -219,6 +220,7 @@ class FakeIslo(FaultInjection):
                 root=sandbox.root,
                 cwd=cwd,
                 env=env,
+                network=sandbox.request.get("internet_enabled", True) is not False,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,

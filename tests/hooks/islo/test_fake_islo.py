@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 import types
 
@@ -57,6 +58,20 @@ def test_create_exec_and_poll_run_the_command_for_real(fake):
     assert (fake.sandboxes["sb-one"].root / "workspace" / "f").read_text() == "hi\n"
     assert fake.sandboxes["sb-one"].request["internet_enabled"] is False
     assert fake.token_exchanges == 1
+
+
+def test_a_sandbox_without_internet_does_not_reach_the_workers_loopback(fake):
+    client = fake.client()
+    probe = "import socket; socket.create_connection(('127.0.0.1', {}), timeout=3).close(); print('connected')"
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        reached = {}
+        for name, internet in (("sb-open", True), ("sb-closed", False)):
+            client.sandboxes.create_sandbox(name=name, internet_enabled=internet)
+            started = client.sandboxes.exec_in_sandbox(name, command=["python3", "-c", probe.format(port)])
+            reached[internet] = wait_result(client, name, started.exec_id).stdout
+    assert reached[True] == "connected\n"  # the control: with internet the worker's loopback answers
+    assert reached[False] == ""
 
 
 def test_the_service_overwrites_path(fake):
