@@ -8,7 +8,12 @@ the real backend or its faithful stand-in, never against a mock of the hook.
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import shlex
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -19,6 +24,33 @@ from sandbox_provider.sandbox.errors import SandboxHandleError
 BINARY = bytes(range(256)) * 2 + b"\0tail"
 #: The battery's cases each test class started in this run, to know when the whole battery ran.
 _STARTED: dict[type, set[str]] = {}
+
+
+def _connect_probe(port: int) -> str:
+    """A Python program that says ``probe`` and then ``connected`` or ``blocked`` for 127.0.0.1:``port``."""
+    return (
+        "import socket\n"
+        "print('probe', flush=True)\n"
+        "try:\n"
+        f"    socket.create_connection(('127.0.0.1', {port}), timeout=3).close()\n"
+        "except OSError as err:\n"
+        "    print('blocked', type(err).__name__)\n"
+        "else:\n"
+        "    print('connected')\n"
+    )
+
+
+def _accept_all(listener: socket.socket) -> int:
+    """Accept and close the connections waiting on ``listener``; return how many there were."""
+    listener.setblocking(False)
+    count = 0
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except BlockingIOError:
+            return count
+        conn.close()
+        count += 1
 
 
 def _lines(text: str) -> list[str]:
@@ -183,6 +215,44 @@ class SandboxContract:
             with pytest.raises(SandboxTerminalError, match=message):
                 hook.create(spec=spec)
         assert made == []
+
+    # -- network -------------------------------------------------------------------------------------
+
+    def test_a_blocked_sandbox_does_not_reach_the_worker(self, hook):
+        """
+        A backend that claims ``no_network`` (``Capabilities``' default) keeps a blocked sandbox off the
+        worker's loopback, or fails to make it (``SandboxTerminalError``: the OpenSandbox test server has
+        no egress sidecar); one that does not claim it refuses a blocked spec. This catches commands run
+        in the worker's own network namespace; what else a backend's network lets through, its own
+        tests probe (``tests/hooks/<backend>/``). The probe runs ``python3`` in the sandbox.
+        """
+        blocked = dataclasses.replace(
+            self.base_spec, block_network=True, allow_egress_to=None, allow_egress_to_cidrs=None
+        )
+        if not hook.capabilities.no_network:
+            with pytest.raises(SandboxTerminalError, match="cannot enforce a blocked network"):
+                hook.create(spec=blocked)
+            return
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            probe = _connect_probe(listener.getsockname()[1])
+            on_worker = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
+            assert on_worker.stdout.split() == ["probe", "connected"], on_worker  # the probe reaches it from here
+            assert _accept_all(listener) == 1
+            try:
+                handle = hook.create(spec=blocked)
+            except SandboxTerminalError:
+                return  # nothing weaker was made
+            try:
+                result = self.sh(hook, handle, f"python3 -c {shlex.quote(probe)}")
+            finally:
+                hook.destroy(handle)
+            reached = _accept_all(listener)
+        assert result.stdout.startswith("probe"), f"the network case runs python3 in the sandbox: {result}"
+        assert "connected" not in result.stdout and reached == 0, (
+            f"{type(hook).__name__} claims no_network (Capabilities' default) but a command in a blocked sandbox "
+            "connected to a listener on the worker's loopback: enforce it, or declare Capabilities(no_network=False) "
+            f"and refuse blocked specs. Probe said: {result.stdout.strip()!r}"
+        )
 
     # -- the settings table: last, since it judges what the cases above read ------------------------------
 
