@@ -102,6 +102,22 @@ def test_an_asset_also_listed_in_outlets_is_there_once():
     assert op.outlets == [report]
 
 
+def test_task_sandbox_takes_assets_too():
+    from airflow.sdk import DAG, task
+
+    result, source = Asset("file:///data/result.json"), Asset("file:///data/in.csv")
+    with DAG(dag_id="decorated_assets", schedule=None) as dag:
+
+        @task.sandbox(exports={"result.json": result}, inputs={"in.csv": source})
+        def work() -> None:
+            pass
+
+        work()
+    op = dag.get_task("work")
+    assert op.outlets == [result] and op.inlets == [source]
+    assert op.exports == {"result.json": "file:///data/result.json"}
+
+
 # -- OpenLineage, end to end -----------------------------------------------------------------------------------
 
 
