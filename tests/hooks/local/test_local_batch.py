@@ -33,7 +33,8 @@ def counted(tmp_path):
     wrapper = tmp_path / "bin" / "bwrap"
     wrapper.parent.mkdir()
     wrapper.write_text(
-        f'#!/bin/sh\ncase " $* " in *" /walked "*) echo tar ;; *) echo x ;; esac >> {log}\nexec {real} "$@"\n'
+        f'#!/bin/sh\ncase " $* " in " --help ") echo help ;; *" /walked "*) echo tar ;; *) echo x ;; esac >> {log}\n'
+        f'exec {real} "$@"\n'
     )
     wrapper.chmod(0o755)
     os.chmod(tmp_path / "bin", 0o755)

@@ -342,3 +342,89 @@ def test_export_directories_made_before_one_that_fails_are_removed(tmp_path):
     with pytest.raises(SandboxError, match="Could not make the export directory"):
         _local_files.prepare_in_place([str(tmp_path / "first"), str(tmp_path / "taken")], None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+def _swap_after_prepare(monkeypatch, victim, names: dict[int, str]) -> None:
+    """Between making the ``.partial`` directories and the launch, each is moved away and a link to ``victim``
+    put at its name: what anyone who can write the destination's parent can do at that moment."""
+    real = _local_files.prepare_in_place
+
+    def prepare_then_swap(directories, uid):
+        held = real(directories, uid)
+        for fd, directory in zip(held, directories, strict=True):
+            names[fd] = directory
+            os.rename(directory, directory + ".moved")
+            os.symlink(victim, directory)
+        return held
+
+    monkeypatch.setattr(_local_files, "prepare_in_place", prepare_then_swap)
+
+
+def test_an_export_directory_swapped_for_a_link_before_the_launch_is_written_where_it_was_made(
+    hook, sandbox, tmp_path, monkeypatch
+):
+    from sandbox_provider.hooks.local import plan as plans
+
+    _run(hook, sandbox, "mkdir d && echo planted > d/a")
+    victim = tmp_path / "victim"  # a directory the sandbox's user may write (a non-root worker: all of its own)
+    victim.mkdir()
+    if os.geteuid() == 0:
+        os.chown(victim, hook.uid_of(sandbox), hook.uid_of(sandbox))
+    names: dict[int, str] = {}
+    _swap_after_prepare(monkeypatch, victim, names)
+
+    def by_path(bwrap_argv, binds):  # the launch before: each directory bound by its name
+        at = bwrap_argv.index("--remount-ro")
+        extra = [arg for fd, dest in binds for arg in ("--bind", names[fd], dest)]
+        return [*bwrap_argv[:at], *extra, *bwrap_argv[at:]]
+
+    # Positive control: bound by name, the launch follows the link and the sandbox writes into the victim.
+    with monkeypatch.context() as by_name:
+        by_name.setattr(plans, "with_binds", by_path)
+        with pytest.raises(SandboxError, match="was moved or replaced while the sandbox wrote"):
+            export_files(hook, sandbox, {"d": f"file://{tmp_path}/control/"})
+    assert (victim / "a").read_text() == "planted\n"
+    (victim / "a").unlink()
+
+    with pytest.raises(SandboxError, match="was moved or replaced while the sandbox wrote") as raised:
+        export_files(hook, sandbox, {"d": f"file://{tmp_path}/out/"})
+    assert list(victim.iterdir()) == []  # the link was not followed
+    moved = [p for p in tmp_path.iterdir() if p.name.endswith(".moved") and "out.airflow" in p.name]
+    assert len(moved) == 1 and str(moved[0]) in str(raised.value)  # written where it was made, and named
+    assert not (tmp_path / "out").exists()  # nothing published
+
+
+def test_an_export_directory_replaced_before_it_is_opened_is_refused_and_left_alone(tmp_path, monkeypatch):
+    made = tmp_path / "d.partial"
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "keep").write_text("someone else's")
+    if os.geteuid() == 0:
+        os.chown(theirs, 65534, 65534)
+    real_open = os.open
+
+    def open_after_swap(path, flags, *args, **kwargs):
+        if path == str(made):  # between the worker's mkdir and its open
+            os.rename(made, tmp_path / "ours")
+            os.rename(theirs, made)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(_local_files.os, "open", open_after_swap)
+    with pytest.raises(SandboxError, match="was replaced as soon as it was made"):
+        _local_files.prepare_in_place([str(made)], None)
+    monkeypatch.undo()
+    assert (made / "keep").read_text() == "someone else's"  # not the worker's to remove
+
+
+def test_a_bubblewrap_without_bind_fd_exports_through_the_worker(hook, sandbox, tmp_path, monkeypatch):
+    from sandbox_provider.hooks.local import plan as plans
+
+    old = tmp_path / "old-bwrap"  # one that lists its options without --bind-fd
+    old.write_text("#!/bin/sh\necho 'usage: bwrap [OPTIONS...] [--] COMMAND [ARGS...]'\necho '    --bind SRC DEST'\n")
+    old.chmod(0o755)
+    assert plans.binds_by_descriptor(hook._bwrap()) and not plans.binds_by_descriptor(str(old))
+    _run(hook, sandbox, "mkdir d && echo a > d/a")
+    monkeypatch.setattr(plans, "binds_by_descriptor", lambda bwrap: False)
+    monkeypatch.setattr(_local_files, "prepare_in_place", lambda *args: pytest.fail("no directory is bound"))
+    records = export_files(hook, sandbox, {"d": f"file://{tmp_path}/out/"})
+    assert records[0].size_bytes == 2 and (tmp_path / "out" / "a").read_text() == "a\n"

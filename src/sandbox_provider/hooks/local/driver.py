@@ -430,6 +430,7 @@ def start(
     uid: int | None,
     placement: Placement | None = None,
     join_cgroup: Callable[[int], None] | None = None,
+    held_fds: Sequence[int] = (),
     popen_kwargs: Mapping[str, Any],
 ) -> Started:
     """
@@ -440,6 +441,7 @@ def start(
     ``bwrap --block-fd`` holds the sandbox's first process after its namespaces are built;
     ``join_cgroup(pid)`` moves it (while bwrap sets up its mounts), then it goes on.
 
+    ``held_fds``: descriptors the options name (``--bind-fd``), passed to bwrap and left open for the caller.
     ``popen_kwargs`` go to :class:`subprocess.Popen` (stdin, stdout, env); stderr is always a pipe.
     If something fails before bwrap's child exists, its status has no ``child-pid`` and stderr says why.
 
@@ -460,7 +462,7 @@ def start(
             [*launch_argv(tools, rlimits=rlimits, uid=uid), *inner],
             placement=placement,
             stderr=subprocess.PIPE,
-            pass_fds=passed,
+            pass_fds=[*passed, *held_fds],
             start_new_session=True,
             cwd="/",
             **popen_kwargs,

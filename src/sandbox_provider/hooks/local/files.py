@@ -23,6 +23,7 @@ from typing import IO, Any
 
 from sandbox_provider.hooks.local import driver, transfer
 from sandbox_provider.hooks.local import guest as local_guest
+from sandbox_provider.hooks.local import plan as plans
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.batch import (
     ExportBudget,
@@ -209,7 +210,7 @@ class LocalFiles:
     ) -> int:
         """Tree and glob requests to local storage: written into their ``.partial`` directories (see below)."""
         args = _tree_args(requests)
-        binds = prepare_in_place(directories, self.uid_of(handle) if os.geteuid() == 0 else None)
+        held = prepare_in_place(directories, self.uid_of(handle) if os.geteuid() == 0 else None)
         try:
             caps = in_place_caps(limits)
             tree = guest.program("export_tree.sh")
@@ -218,19 +219,23 @@ class LocalFiles:
                 handle,
                 script,
                 timeout=_BATCH_TIMEOUT,
-                binds=binds,
+                binds=[(fd, f"{EXPORT_MOUNT}/{index}") for index, fd in enumerate(held)],
                 max_file_bytes=limits.max_file_bytes + 1,
                 base_env_only=True,
             )
             if result.sandbox_terminated:
                 raise SandboxTerminalError(f"The sandbox ended while exporting {requests[0].path!r}.")
             check_in_place_caps(result, requests, limits)
-            adopted = adopt_in_place(directories, requests, limits)  # checks first: a big file ends tar
+            check_still_in_place(directories, held)
+            adopted = adopt_in_place(held, requests, limits)  # checks first: a big file ends tar
             if not result.ok:
                 raise _export_failure(result, requests)
         except BaseException:
-            remove_in_place(directories)
+            remove_in_place(directories, held)
             raise
+        finally:
+            for fd in held:
+                os.close(fd)
         for index, files in enumerate(adopted):
             sink.adopt(index, files)
         return sum(sum(files.values()) for files in adopted)
@@ -270,7 +275,7 @@ class LocalFiles:
         if not requests:
             return 0
         directories = in_place_directories(sink, requests)
-        if directories is not None:
+        if directories is not None and plans.binds_by_descriptor(self._bwrap()):
             return self._export_in_place(handle, requests, sink, directories, limits)
         if len(requests) == 1 and requests[0].kind == "file":
             # One file: its destination's own descriptor goes to cat in the sandbox (in-kernel copy).
@@ -364,8 +369,11 @@ def _export_failure(result: SandboxExecResult, requests: Sequence[ExportRequest]
 # Directory exports of the local backend that the sandbox writes straight into their destination's
 # ``.partial`` directory, when every destination of the batch is local storage.
 #
-# Each request's ``.partial`` directory (made empty and owned by the sandbox's user) is bound into
-# one launch at ``/.airflow-export/<index>``, where ``export_into.sh`` extracts what
+# Each request's ``.partial`` directory (made empty and owned by the sandbox's user) is mounted into
+# one launch at ``/.airflow-export/<index>`` by the descriptor the worker opened when it made it
+# (``bwrap --bind-fd``; a bubblewrap without it exports through the worker instead), so a link put at
+# its name meanwhile by whoever can write its parent leads the sandbox nowhere; the checks walk the
+# same descriptor, and a name that no longer leads to it fails the export. ``export_into.sh`` extracts what
 # ``export_tree.sh`` packs (symlinks followed as the sandbox sees them), so the bytes never pass
 # through the worker and no archive is parsed in Python. The launch's file-size limit stops a file one
 # byte past ``max_file_bytes``; ``export_into.sh`` stops tar once the members' sizes pass the batch's
@@ -424,34 +432,92 @@ def check_in_place_caps(result: Any, requests: Sequence[ExportRequest], limits: 
         )
 
 
-def prepare_in_place(directories: Sequence[str], uid: int | None) -> list[tuple[str, str]]:
+def prepare_in_place(directories: Sequence[str], uid: int | None) -> list[int]:
     """
-    Make each directory, empty, mode 0700, owned by ``uid`` (None: the worker); return the binds
-    ``(host directory, path in the launch)``.
+    Make each directory, empty, mode 0700, owned by ``uid`` (None: the worker); return a descriptor
+    of each, for the launch to mount and the checks to walk (the caller closes them). Whoever can
+    write a directory's parent could put a link (or another directory) at its name at any time:
+    from here on it is reached through its descriptor only, never by name.
 
-    :raises SandboxError: when one cannot be made (something is already there, say); the ones made
-        before it are removed.
+    :raises SandboxError: when one cannot be made (something is already there, say), or what was
+        opened is not the directory just made; the ones made before it are removed.
     """
-    binds = []
+    held: list[int] = []
+    try:
+        for directory in directories:
+            held.append(_make_held(directory, uid))
+    except BaseException:
+        remove_in_place(directories[: len(held)], held)  # the ones made so far: nothing is left half prepared
+        for fd in held:
+            os.close(fd)
+        raise
+    return held
+
+
+def _make_held(directory: str, uid: int | None) -> int:
+    """One directory of :func:`prepare_in_place`, made and opened; what was opened is checked to be it."""
+    try:
+        os.mkdir(directory, 0o700)
+        fd = os.open(directory, DIR_FLAGS)  # a link put in its place meanwhile is not followed
+    except OSError as err:
+        raise SandboxError(f"Could not make the export directory {directory}: {err.strerror}") from err
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.geteuid() or stat.S_IMODE(info.st_mode) & 0o077 or os.listdir(fd):
+            # Not the one made (that one was moved away): neither is removed, neither is the worker's to remove.
+            raise SandboxError(
+                f"The export directory {directory} was replaced as soon as it was made (someone else can write "
+                f"{os.path.dirname(directory)}); export to a directory only this task's user can write."
+            )
+        if uid is not None:
+            os.fchown(fd, uid, uid)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _same_directory(path: str, fd: int) -> bool:
+    """Whether ``path`` (not followed) is still the directory open as ``fd``."""
+    try:
+        named = os.lstat(path)
+    except OSError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
+def check_still_in_place(directories: Sequence[str], held: Sequence[int]) -> None:
+    """
+    :raises SandboxTerminalError: when a directory's name no longer leads to the directory the launch
+        wrote (moved away, a link put there): the engine publishes by that name, so nothing is.
+    """
+    for directory, fd in zip(directories, held, strict=True):
+        if not _same_directory(directory, fd):
+            raise SandboxTerminalError(
+                f"The export directory {directory} was moved or replaced while the sandbox wrote into it (someone "
+                f"else can write {os.path.dirname(directory)}); nothing was published, and what the sandbox wrote "
+                f"stays in the directory moved away ({_where(fd)}). Export to a directory only this task's user "
+                "can write."
+            )
+
+
+def _where(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "no longer reachable"
+
+
+def remove_in_place(directories: Sequence[str], held: Sequence[int] | None = None) -> None:
+    """
+    Remove each directory and everything in it (without following a link); with ``held``, only
+    where its name still leads to the directory held (one moved away is left where it went). What
+    cannot be removed is left for the engine to name.
+    """
     for index, directory in enumerate(directories):
-        try:
-            os.mkdir(directory, 0o700)
-            binds.append((directory, f"{EXPORT_MOUNT}/{index}"))
-            if uid is not None:  # through its descriptor: a link put in its place meanwhile is not followed
-                fd = os.open(directory, DIR_FLAGS)
-                try:
-                    os.fchown(fd, uid, uid)
-                finally:
-                    os.close(fd)
-        except OSError as err:
-            remove_in_place([made for made, _ in binds])  # the ones made so far: nothing is left half prepared
-            raise SandboxError(f"Could not make the export directory {directory}: {err.strerror}") from err
-    return binds
-
-
-def remove_in_place(directories: Sequence[str]) -> None:
-    """Remove each directory and everything in it; what cannot be removed is left for the engine to name."""
-    for directory in directories:
+        if held is not None and index < len(held) and not _same_directory(directory, held[index]):
+            continue
         try:
             remove_tree(directory)
         except OSError:
@@ -459,10 +525,11 @@ def remove_in_place(directories: Sequence[str]) -> None:
 
 
 def adopt_in_place(
-    directories: Sequence[str], requests: Sequence[ExportRequest], limits: ExportLimits
+    directories: Sequence[str | int], requests: Sequence[ExportRequest], limits: ExportLimits
 ) -> list[dict[str, int]]:
     """
-    Check what the launch wrote into each request's directory and hand it to the worker; return,
+    Check what the launch wrote into each request's directory (a path, or a descriptor of it: the
+    one the launch mounted) and hand it to the worker; return,
     per request, ``{relative name: size in bytes}`` of its files. Called only after the launch ended.
 
     :raises SandboxFileTooLargeError: a file, or all of them, over ``limits``.
@@ -479,7 +546,7 @@ def adopt_in_place(
 
 
 def _adopt_tree(
-    top: str, request: ExportRequest, budget: ExportBudget, owner: tuple[int, int] | None, modes: tuple[int, int]
+    top: str | int, request: ExportRequest, budget: ExportBudget, owner: tuple[int, int] | None, modes: tuple[int, int]
 ) -> dict[str, int]:
     """
     Depth first, holding open only the directories on the way down (one per level), so a directory
@@ -488,7 +555,7 @@ def _adopt_tree(
     files: dict[str, int] = {}
     stack: list[tuple[str, int, list[str]]] = []
     try:
-        fd = _enter(os.open(top, DIR_FLAGS), owner, modes[1])
+        fd = _enter(os.dup(top) if isinstance(top, int) else os.open(top, DIR_FLAGS), owner, modes[1])
         stack.append(("", fd, _adopt_level(fd, "", request, budget, owner, modes[0], files)))
         while stack:
             prefix, fd, subdirectories = stack[-1]

@@ -535,13 +535,14 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         stdin_fd: int | None = None,
         stdout_fd: int | None = None,
         max_file_bytes: int | None = None,
-        binds: Sequence[tuple[str, str]] = (),
+        binds: Sequence[tuple[int, str]] = (),
         base_env_only: bool = False,
     ) -> RunOutcome:
         """
         Run ``argv`` in the sandbox for at most ``timeout`` seconds; stdin from ``stdin`` or the
         descriptor ``stdin_fd`` (closed here), stdout into ``output`` or the descriptor ``stdout_fd``.
-        ``binds``: ``(worker directory, path inside)`` mounted writable for this launch only.
+        ``binds``: ``(descriptor of a worker directory, path inside)`` mounted writable for this launch
+        only, by the descriptor (the caller's to close): a link put at the directory's name is not followed.
         ``base_env_only``: no ``spec.env`` (whose PATH or LD_PRELOAD could name the sandbox's own
         programs), for the worker's programs when they hold a worker descriptor or directory.
         """

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import os
 import shutil
+import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -70,7 +71,7 @@ def start(
     plan: Plan,
     argv: list[str],
     *,
-    binds: Sequence[tuple[str, str]],
+    binds: Sequence[tuple[int, str]],
     env: Mapping[str, str],
     cgroups: Any,
     rlimits: Mapping[str, int],
@@ -94,19 +95,37 @@ def start(
             uid=plan.uid if drops_root else None,
             placement=placement,
             join_cgroup=(lambda pid: cgroups.join(handle, pid)) if cgroups and not placement else None,
+            held_fds=[fd for fd, _ in binds],
             popen_kwargs=popen_kwargs,
         )
     except OSError as err:
         raise SandboxTerminalError(f"Could not start bubblewrap in sandbox {handle}: {err}") from err
 
 
-def with_binds(bwrap_argv: list[str], binds: Sequence[tuple[str, str]]) -> list[str]:
-    """``bwrap_argv`` with ``binds`` (worker directory, path inside) mounted writable, before the root goes read-only."""
+def with_binds(bwrap_argv: list[str], binds: Sequence[tuple[int, str]]) -> list[str]:
+    """
+    ``bwrap_argv`` with ``binds`` (a descriptor of a worker directory, the path inside) mounted writable,
+    before the root goes read-only. Mounted by descriptor (``--bind-fd``): the directory the worker
+    opened, never whatever its name leads to at launch (a link put there meanwhile, say).
+    """
     if not binds:
         return bwrap_argv
     at = bwrap_argv.index("--remount-ro")
-    extra = [arg for source, dest in binds for arg in ("--bind", source, dest)]
+    extra = [arg for fd, dest in binds for arg in ("--bind-fd", str(fd), dest)]
     return [*bwrap_argv[:at], *extra, *bwrap_argv[at:]]
+
+
+@functools.cache
+def binds_by_descriptor(bwrap: str) -> bool:
+    """
+    Whether ``bwrap`` mounts a directory by descriptor (``--bind-fd``: recent releases, and the
+    security updates of older ones, Debian 12's 0.8.0-2+deb12u1 among them); asked once per bwrap.
+    """
+    try:
+        shown = subprocess.run([bwrap, "--help"], capture_output=True, env=driver.BWRAP_ENV, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return b"--bind-fd" in shown.stdout + shown.stderr
 
 
 @functools.lru_cache(maxsize=16)
