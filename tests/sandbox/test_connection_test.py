@@ -10,7 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 from sandbox_provider.hooks.docker import DockerSandboxHook
+from sandbox_provider.sandbox import SandboxSpec
 from sandbox_provider.sandbox.connection_test import connection_test_origin
+from sandbox_provider.sandbox.hook import Capabilities
 
 NOWHERE = "unix:///nonexistent/airflow-sandbox-test/docker.sock"
 
@@ -53,6 +55,19 @@ def test_hook_message_names_the_tested_connection_and_the_runner(add_connection)
     assert message.startswith("Connection 'team_docker', tested by the API server (pid ")
     assert "Tmp4Id7x" not in message and NOWHERE in message
     assert "worker" not in message
+
+
+@pytest.mark.parametrize("blocks", [True, False], ids=["can-block", "cannot-block"])
+def test_the_connection_test_asks_for_no_network_only_where_the_backend_can_block_it(tmp_path, monkeypatch, blocks):
+    from fake_hook import FakeSandboxHook
+
+    hook = FakeSandboxHook(str(tmp_path), capabilities=Capabilities(no_network=blocks))
+    asked: list[SandboxSpec] = []
+    check = hook.check_spec
+    monkeypatch.setattr(hook, "check_spec", lambda spec: asked.append(spec) or check(spec))
+    ok, message = hook.test_connection()
+    assert ok, message
+    assert [spec.block_network for spec in asked] == [blocks]
 
 
 def test_airflows_own_test_route_reports_the_tested_id(migrated_airflow_db, monkeypatch):

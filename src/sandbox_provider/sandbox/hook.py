@@ -314,8 +314,9 @@ class SandboxHook(BaseHook):
     ui_behaviour: ClassVar[Mapping[str, Any]] = {}
     #: Whether another task can find this backend's sandboxes by handle (``attach``/``release``).
     attachable: ClassVar[bool] = False
-    #: The spec ``test_connection`` provisions with: no network, unless the backend cannot block it.
-    connection_test_spec: ClassVar[SandboxSpec] = SandboxSpec()
+    #: The spec ``test_connection`` provisions with; None (the default) for no network, or an open one
+    #: when ``capabilities`` cannot block it.
+    connection_test_spec: ClassVar[SandboxSpec | None] = None
 
     workdir: str = DEFAULT_WORKDIR
 
@@ -703,7 +704,8 @@ class SandboxHook(BaseHook):
 
         :raises Exception: whatever stopped the check; :meth:`test_connection` reports it.
         """
-        handle = self.create(spec=self.connection_test_spec)
+        spec = self.connection_test_spec or SandboxSpec(block_network=self.capabilities.no_network)
+        handle = self.create(spec=spec)
         try:
             result = self.run_command(handle, "echo sandbox-ok", timeout=60, max_output_bytes=4096)
         finally:

@@ -116,7 +116,6 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
     handle_shape = "'bx_' followed by 8 lowercase letters and digits"
     handle_example = "bx_a2c4e6g8"
     workdir = HOME
-    connection_test_spec = SandboxSpec(block_network=False)
 
     def __init__(
         self,
