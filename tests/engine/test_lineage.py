@@ -118,6 +118,35 @@ def test_task_sandbox_takes_assets_too():
     assert op.exports == {"result.json": "file:///data/result.json"}
 
 
+def test_the_facets_on_start_read_no_connection():
+    from unittest import mock
+
+    from airflow.sdk import BaseHook
+
+    from sandbox_provider.sandbox import SandboxSpec
+
+    op = SandboxOperator(
+        task_id="t",
+        backend="sandbox_docker_default",
+        command="true",
+        spec=SandboxSpec(block_network=True, allow_egress_to=["pypi.org"]),
+        inputs={"in.csv": "s3://raw/in.csv"},
+        exports={"out/": "gs://reports/daily/"},
+    )
+    with mock.patch.object(BaseHook, "get_connection") as get_connection:
+        lineage = op.get_openlineage_facets_on_start()
+    assert get_connection.call_count == 0  # the OpenLineage provider may call this from a forked process
+    assert [(d.namespace, d.name) for d in lineage.inputs] == [("s3://raw", "in.csv")]
+    assert [(d.namespace, d.name) for d in lineage.outputs] == [("gs://reports", "daily")]
+    facet = lineage.run_facets["sandbox"]
+    assert (facet.backend, facet.connId, facet.network, facet.allowedEgress) == (
+        "unknown",
+        "sandbox_docker_default",
+        "allowlist",
+        ["pypi.org"],
+    )
+
+
 # -- OpenLineage, end to end -----------------------------------------------------------------------------------
 
 

@@ -268,13 +268,17 @@ class SandboxReport:
 
     @classmethod
     def of(cls, hook: Any, spec: SandboxSpec | None, *, attached: bool) -> SandboxReport:
-        """The report of a session on ``hook`` provisioning with ``spec`` (or attaching, with None)."""
+        """
+        The report of a session on ``hook`` provisioning with ``spec`` (or attaching, with None). ``hook``
+        may be the id of a connection not looked up yet: the backend is then ``"unknown"``.
+        """
         from sandbox_provider.engine.metrics import metric_tags
 
         network, allowed = network_mode(spec)
+        known = not isinstance(hook, str)
         return cls(
-            backend=str(hook.name),
-            conn_id=metric_tags(hook).get("conn_id"),
+            backend=str(hook.name) if known else "unknown",
+            conn_id=metric_tags(hook).get("conn_id") if known else hook,
             network=network,
             allowed_egress=allowed,
             attached=attached,

@@ -323,15 +323,12 @@ class SandboxOperator(BaseOperator):
     # -- lineage: called by the OpenLineage provider, when it is installed --------------------------------
 
     def _report(self) -> SandboxReport:
-        """The running (or last) session's report; before one, what the arguments say (a connection is looked up)."""
+        """The running (or last) session's report; before one, what the arguments say (no connection is read)."""
         if self._session is not None:
             return self._session.report
-        try:
-            hook = get_sandbox_hook(self.backend)
-        except Exception:
-            return SandboxReport(backend="unknown", conn_id=self.backend if isinstance(self.backend, str) else None)
+        backend = self.backend if isinstance(self.backend, str) else get_sandbox_hook(self.backend)
         spec = None if self.attach_to is not None else self.spec or SandboxSpec()
-        return SandboxReport.of(hook, spec, attached=self.attach_to is not None)
+        return SandboxReport.of(backend, spec, attached=self.attach_to is not None)
 
     def get_openlineage_facets_on_start(self) -> OperatorLineage:
         """The inputs and exports as OpenLineage datasets, and the ``sandbox`` run facet as far as it is known."""
