@@ -86,3 +86,17 @@ def test_a_backend_that_reads_the_port_keeps_its_label(monkeypatch):
     assert shown["relabeling"]["port"] == "Gateway port"
     hidden = info.ui_field_behaviour({"hidden-fields": ["port", "schema"]})
     assert hidden["relabeling"]["port"] == info.PORT_FOR_TEST_BUTTON and "port" not in hidden["hidden-fields"]
+
+
+def test_the_deferrable_default_and_the_trigger_are_registered(monkeypatch):
+    from airflow.configuration import conf
+
+    info = get_provider_info()
+    option = info["config"]["sandbox"]["options"]["default_deferrable"]
+    assert option["type"] == "boolean" and option["default"] == "False"
+    assert conf.getboolean("sandbox", "default_deferrable") is False  # Airflow reads the provider's default
+    monkeypatch.setenv("AIRFLOW__SANDBOX__DEFAULT_DEFERRABLE", "true")
+    assert conf.getboolean("sandbox", "default_deferrable") is True
+    (trigger,) = info["triggers"]
+    for module in trigger["python-modules"]:
+        assert hasattr(importlib.import_module(module), "SandboxCommandTrigger")

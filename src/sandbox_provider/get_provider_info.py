@@ -78,6 +78,9 @@ def get_provider_info() -> dict[str, Any]:
             }
             for path, form in connection_forms()
         ],
+        "triggers": [
+            {"integration-name": "Sandbox", "python-modules": ["sandbox_provider.triggers.sandbox"]},
+        ],
         "task-decorators": [
             {"name": "sandbox", "class-name": "sandbox_provider.decorators.sandbox.sandbox_task"},
         ],
@@ -93,6 +96,16 @@ def get_provider_info() -> dict[str, Any]:
                         "type": "string",
                         "example": "/data/incoming,/srv/reference",
                         "default": "",
+                    },
+                    "default_deferrable": {
+                        "description": "The default of deferrable= for SandboxOperator and @task.sandbox: whether a "
+                        "task starts its command detached in the sandbox and frees its worker slot while the command "
+                        "runs, waiting in the triggerer instead. Needs a triggerer, and a backend whose sandboxes it "
+                        "can check on (not the local one).",
+                        "version_added": "0.1.0",
+                        "type": "boolean",
+                        "example": "True",
+                        "default": "False",
                     },
                 },
             },

@@ -254,6 +254,38 @@ class SandboxContract:
             f"and refuse blocked specs. Probe said: {result.stdout.strip()!r}"
         )
 
+    # -- detached commands (deferrable tasks) ---------------------------------------------------------
+
+    def test_detached_commands_run_on_and_are_read_by_offset_or_refused(self, hook, sandbox):
+        import time
+
+        if not hook.detached_commands:
+            with pytest.raises(SandboxTerminalError, match="cannot run commands detached"):
+                hook.start_detached(sandbox, "true", timeout=10, max_output_bytes=1024)
+            return
+        job = hook.start_detached(
+            sandbox, "echo out1; echo err >&2; sleep 1; echo out2; exit 3", timeout=60, max_output_bytes=1024
+        )
+        assert 0 < job.timeout <= 60
+        seen, cursor, deadline = b"", None, time.monotonic() + 60
+        while time.monotonic() < deadline:
+            state = hook.poll(sandbox, job, cursor)
+            seen += state.stdout
+            cursor = state.cursor
+            if state.ended and state.caught_up:
+                break
+            time.sleep(0.3)
+        assert (seen, state.exit_code, state.timed_out) == (b"out1\nout2\n", 3, False)
+        assert hook.poll(sandbox, job, [5, 0]).stdout == b"out2\n"  # from any byte offset
+        result = hook.job_result(sandbox, job, max_output_bytes=6, timeout=job.timeout)
+        assert (result.exit_code, result.stdout, result.stderr) == (3, "\nout2\n", "err\n")
+        assert result.stdout_truncated and result.stdout_totals.bytes == 10 and result.stdout_totals.lines == 2
+        sleeper = hook.start_detached(sandbox, "sleep 60", timeout=60, max_output_bytes=1024)
+        hook.stop(sandbox, sleeper)
+        stopped = hook.poll(sandbox, sleeper)
+        assert stopped.stopped and stopped.ended and not stopped.timed_out
+        assert self.sh(hook, sandbox, "echo still here").stdout == "still here\n"
+
     # -- the settings table: last, since it judges what the cases above read ------------------------------
 
     def test_zz_every_setting_in_the_table_is_read(self, hook, request):

@@ -465,3 +465,35 @@ def test_default_args_owner_stays_airflows_and_no_argument_shadows_baseoperator(
     for cls in (SandboxOperator, SandboxDecoratedOperator):
         own = set(inspect.signature(cls.__init__).parameters) - {"self", "kwargs", "args"}
         assert not (own & base) - {"python_callable", "op_args", "op_kwargs", "multiple_outputs"}, own & base
+
+
+# -- deferrable ----------------------------------------------------------------------------------------------
+
+
+def test_deferrable_is_refused_at_parse_time_on_the_local_backend_naming_those_that_can(hook):
+    for backend in (None, hook):
+        with pytest.raises(ValueError, match="local backend's cannot: its sandboxes live on the worker") as err:
+            SandboxOperator(task_id="t", command="true", backend=backend, deferrable=True)
+        assert "Backends that can: Docker, Modal, OpenSandbox, Kubernetes." in str(err.value)
+
+
+def test_deferrable_defaults_to_the_config_option(monkeypatch):
+    assert SandboxOperator(task_id="t", command="true").deferrable is False
+    monkeypatch.setenv("AIRFLOW__SANDBOX__DEFAULT_DEFERRABLE", "True")
+    from sandbox_provider.hooks.docker import DockerSandboxHook
+
+    assert SandboxOperator(task_id="t", command="true", backend=DockerSandboxHook()).deferrable is True
+    assert SandboxOperator(task_id="t", command="true", backend="some_conn").deferrable is True
+    with pytest.raises(ValueError, match="deferrable=True needs a backend"):
+        SandboxOperator(task_id="t", command="true")
+    assert SandboxOperator(task_id="t", command="true", deferrable=False).deferrable is False
+    with pytest.raises(ValueError, match="deferrable must be True, False or None"):
+        SandboxOperator(task_id="t", command="true", deferrable="yes")
+
+
+def test_deferrable_with_a_connection_is_checked_before_anything_is_provisioned(hook, add_connection, tmp_path):
+    add_connection("sandbox_local_here", "sandbox_local", extra={"state_root": str(tmp_path / "state")})
+    op = SandboxOperator(task_id="t", command="true", backend="sandbox_local_here", deferrable=True)
+    with pytest.raises(ValueError, match="local backend's cannot"):
+        op.execute(make_context())
+    assert not (tmp_path / "state").exists() or os.listdir(tmp_path / "state") == []

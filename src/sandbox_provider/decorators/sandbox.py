@@ -295,6 +295,12 @@ class _SandboxDecoratedOperator(DecoratedOperator, SandboxOperator):
         )
         return command, files
 
+    def _deferred_state(self) -> dict[str, Any]:
+        return {"call_dir": self._call_dir}
+
+    def _restore_deferred_state(self, state: Mapping[str, Any]) -> None:
+        self._call_dir = state.get("call_dir")
+
     def _result_path(self) -> str:
         return f"{self._call_dir}/result.json"
 

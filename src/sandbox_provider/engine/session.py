@@ -32,6 +32,7 @@ from sandbox_provider.engine.watch import SupervisorWatch, supervisor_pid
 from sandbox_provider.sandbox.batch import ImportEntry
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 from sandbox_provider.sandbox.hook import OutputCallback, SandboxHook, check_command
+from sandbox_provider.sandbox.jobs import DetachedJob
 from sandbox_provider.sandbox.spec import (
     DAG_ID_TAG,
     MAP_INDEX_TAG,
@@ -184,6 +185,11 @@ class SandboxSession:
     def handle(self) -> str | None:
         """The sandbox's handle, or None before anything was provisioned or attached."""
         return self._handle
+
+    @property
+    def closed(self) -> bool:
+        """The session was closed (or suspended): nothing more runs in it."""
+        return self._closed
 
     @property
     def attached(self) -> AttachedSandbox | None:
@@ -457,10 +463,7 @@ class SandboxSession:
         handle = self.ensure(defer=True)
         with self._lock:
             stage, self._pending = self._pending, []
-        shown = mask_text(command)
-        if len(shown) > _COMMAND_CHARS:
-            shown = shown[:_COMMAND_CHARS] + f" [... {len(shown) - _COMMAND_CHARS} more characters]"
-        log.info("Running in sandbox %s (timeout %gs): %s", handle, float(timeout), shown)
+        log.info("Running in sandbox %s (timeout %gs): %s", handle, float(timeout), _shown(command))
         started = self._clock()
         try:
             with metrics.timed("run", self.hook, clock=self._clock, staged="true" if stage else "false"):
@@ -495,6 +498,96 @@ class SandboxSession:
         self.report.exit_code = None if result.timed_out or result.sandbox_terminated else result.exit_code
         self.report.timed_out = result.timed_out
         self.report.command_seconds = round(seconds, 3)
+
+    # -- detached commands (deferrable tasks) -------------------------------------------------------
+
+    def start_detached(self, command: str, *, timeout: float, max_output_bytes: int) -> DetachedJob:
+        """
+        Start ``command`` detached in the sandbox (provisioning and staging first if needed), for a
+        task that defers while it runs; see :meth:`SandboxHook.start_detached`. Then :meth:`suspend`.
+
+        :raises SandboxTerminalError: if the sandbox cannot be had, or the command cannot start.
+        """
+        check_positive(timeout, "timeout")
+        check_byte_count(max_output_bytes, "max_output_bytes")
+        check_command(command)
+        handle = self.ensure()
+        try:
+            job = self.hook.start_detached(handle, command, timeout=float(timeout), max_output_bytes=max_output_bytes)
+        except SandboxTerminalError:
+            raise
+        except SandboxError as err:
+            raise SandboxTerminalError(str(err)) from err
+        log.info(
+            "Started in sandbox %s, detached as job %s (timeout %gs): %s", handle, job.id, job.timeout, _shown(command)
+        )
+        return job
+
+    def suspend(self) -> str | None:
+        """
+        Leave the sandbox as it is for another process to :meth:`resume` (the task defers): no export,
+        no teardown; this process stops watching its supervisor. Returns the handle.
+        """
+        with self._lock:
+            self._closed = True
+            handle = self._handle
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.stop()
+        return handle
+
+    @classmethod
+    def resume(
+        cls,
+        hook: SandboxHook,
+        options: SessionOptions,
+        handle: str,
+        *,
+        context: Mapping[str, Any] | None = None,
+        holder: str | None = None,
+    ) -> SandboxSession:
+        """
+        The session a task :meth:`suspend`-ed, picked up again in a new process once its detached
+        command ended: its sandbox ``handle`` stands as it was (inputs staged, attached in attach
+        mode, as ``holder``); :meth:`close` exports and tears down as usual.
+
+        :raises SandboxTerminalError: for a handle the backend cannot name.
+        """
+        session = cls(hook, options, context=context, holder=holder)
+        session._handle = hook.check_handle(handle)
+        session._storage_checked = True  # checked, and staged, before the task deferred
+        if session.attach_mode:
+            session._holder = session._identity()[1]
+        session._watch_supervisor()
+        return session
+
+    def collect_detached(self, job: DetachedJob, *, max_output_bytes: int) -> SandboxExecResult:
+        """
+        The result of detached ``job`` once it ended (exit status, tails), logged as :meth:`run` logs it.
+
+        :raises SandboxTerminalError: when the sandbox is gone, or holds no such job.
+        """
+        handle = self.ensure()
+        try:
+            result = self.hook.job_result(handle, job.id, max_output_bytes=max_output_bytes, timeout=job.timeout)
+        except SandboxTerminalError:
+            with self._lock:
+                self._handle = None
+            raise
+        except SandboxError as err:
+            raise SandboxTerminalError(str(err)) from err
+        self._ran(result, max(0.0, time.time() - job.started_at))
+        return result
+
+    def stop_detached(self, job: DetachedJob) -> None:
+        """Stop detached ``job`` (a deferred command that outlived its deadline, say); errors are logged."""
+        handle = self._handle
+        if handle is None:
+            return
+        try:
+            self.hook.stop(handle, job.id)
+        except Exception:
+            log.warning("Could not stop job %s in sandbox %s", job.id, handle, exc_info=True)
 
     def _run_staged(self, handle, command, stage, timeout, max_output_bytes, on_output, read_back) -> SandboxExecResult:
         """The command, with the files and inputs still to stage written in by the same launch."""
@@ -639,6 +732,14 @@ class SandboxSession:
 
     async def alist_directory(self, path: str = ".") -> list[tuple[str, bool]]:
         return await asyncio.to_thread(self.list_directory, path)
+
+
+def _shown(command: str) -> str:
+    """The command as the task log shows it: masked, and cut after :data:`_COMMAND_CHARS` characters."""
+    shown = mask_text(command)
+    if len(shown) > _COMMAND_CHARS:
+        shown = shown[:_COMMAND_CHARS] + f" [... {len(shown) - _COMMAND_CHARS} more characters]"
+    return shown
 
 
 def _ending(result: SandboxExecResult) -> str:

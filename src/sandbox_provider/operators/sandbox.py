@@ -7,21 +7,23 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowException, AirflowSkipException
+from airflow.sdk.exceptions import AirflowException, AirflowSkipException, TaskDeferred
 
 from sandbox_provider.engine.lineage import SandboxReport, emit_asset_events, plan_assets
 from sandbox_provider.engine.options import SessionOptions, check_attachable
 from sandbox_provider.engine.output import LineLog, mask_stream, tail_text
-from sandbox_provider.engine.session import SandboxSession
+from sandbox_provider.engine.session import SandboxSession, task_holder
 from sandbox_provider.engine.transfer import DEFAULT_MAX_EXPORT_BYTES
 from sandbox_provider.hooks import get_sandbox_hook
 from sandbox_provider.sandbox.hook import SandboxHook
+from sandbox_provider.sandbox.jobs import DetachedJob
 from sandbox_provider.sandbox.spec import (
     SandboxExecResult,
     SandboxSpec,
     check_byte_count,
     check_positive,
 )
+from sandbox_provider.triggers.sandbox import DEFAULT_POLL_INTERVAL, SandboxCommandTrigger, check_deferrable
 
 if TYPE_CHECKING:
     from airflow.providers.openlineage.extractors import OperatorLineage
@@ -41,6 +43,19 @@ TAIL_CHARS = 2000
 
 class SandboxCommandError(AirflowException):
     """The command in the sandbox exited non-zero, timed out, or lost its sandbox."""
+
+
+def _deferrable(value: Any) -> bool:
+    """``deferrable=``, or the ``[sandbox] default_deferrable`` option for None."""
+    if value is None:
+        from airflow.sdk.configuration import conf
+
+        return conf.getboolean("sandbox", "default_deferrable", fallback=False)
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"deferrable must be True, False or None (the [sandbox] default_deferrable option); got {value!r}."
+        )
+    return value
 
 
 def _check_exit_codes(value: Any) -> frozenset[int]:
@@ -122,6 +137,14 @@ class SandboxOperator(BaseOperator):
     :param sandbox_owner: with ``attach_to``, the owner the sandbox must carry (default: this Dag
         run). With ``keep_sandbox=True``, the owner stamped on the new sandbox (default: this Dag run).
         Airflow's own ``owner`` (the task's owner in the UI, often set in ``default_args``) is separate.
+    :param deferrable: start the command detached in the sandbox and free the worker slot while it runs:
+        the task defers to :class:`~sandbox_provider.triggers.sandbox.SandboxCommandTrigger`, which relays
+        the output to the task log from the triggerer, and resumes on a worker to read the result,
+        export and tear down, with the same result and XCom. Needs a backend whose sandboxes a
+        triggerer can check on (Docker, Modal, OpenSandbox, Kubernetes; not the local one). Default: the
+        ``[sandbox] default_deferrable`` option, False unless set.
+    :param poll_interval: with ``deferrable``, seconds between two checks while the command prints
+        nothing; default 5.
     :param keep_sandbox: None (default) destroys a sandbox this task provisioned and releases one it
         attached to. True leaves the sandbox standing for later tasks and returns its handle as the
         XCom; on an attachable backend a new sandbox is stamped with ``sandbox_owner`` unless ``spec.owner``
@@ -162,6 +185,8 @@ class SandboxOperator(BaseOperator):
         sandbox_owner: str | None = None,
         keep_sandbox: bool | None = None,
         exports_as_assets: bool | AssetAlias = False,
+        deferrable: bool | None = None,
+        poll_interval: float = DEFAULT_POLL_INTERVAL,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -170,6 +195,10 @@ class SandboxOperator(BaseOperator):
         self.add_inlets([a for a in self._assets.inlets if a not in self.inlets])
         self.add_outlets([a for a in self._assets.outlets if a not in self.outlets])
         self.exports_as_assets = exports_as_assets
+        self.deferrable = _deferrable(deferrable)
+        if self.deferrable and not isinstance(backend, str):
+            check_deferrable(backend)  # a connection id is checked when the task runs, before provisioning
+        self.poll_interval = float(check_positive(poll_interval, "poll_interval"))
         self._options = SessionOptions(
             spec=spec,
             attach_to=attach_to,
@@ -259,15 +288,18 @@ class SandboxOperator(BaseOperator):
                 "it reads."
             )
         session = self._new_session(context, files)
+        if self.deferrable and command is not None:
+            check_deferrable(session.hook)
         self._session = session
-        self._kept_handle: str | None = None
         self._live = LineLog(self.log)
-        succeeded = False
+        deferred = False
+        result = None
         try:
             session.open()
-            result = None
             if command is None:
                 session.ensure()
+            elif self.deferrable:
+                self._defer(session, command)
             else:
                 try:
                     result = session.run(
@@ -279,21 +311,96 @@ class SandboxOperator(BaseOperator):
                     )
                 finally:
                     self._live.flush()
-                self._check_result(session, result)
-            collected = self._collect(session, result)
-            self._kept_handle = handle = session.handle
-            succeeded = True
+            return self._conclude(context, session, result)
+        except TaskDeferred:
+            deferred = True
+            raise
         finally:
-            if not succeeded and self.keep_sandbox is True and not session.attach_mode:
-                # Nobody receives the handle of a failed task: remove what this task provisioned.
-                session.keep = None
-            session.close(succeeded=succeeded)
+            if deferred:
+                session.suspend()
+            else:
+                self._close(session, succeeded=False)
+
+    def _defer(self, session: SandboxSession, command: str) -> None:
+        """Start ``command`` detached and defer to the trigger; raises ``TaskDeferred``."""
+        job = session.start_detached(command, timeout=self.timeout, max_output_bytes=self.max_output_bytes)
+        hook = session.hook
+        handle = session.handle
+        assert handle is not None
+        attached = session.attach_mode and self.keep_sandbox is not False
+        trigger = SandboxCommandTrigger(
+            hook_class=f"{type(hook).__module__}:{type(hook).__qualname__}",
+            hook_arguments=hook.detached_arguments(),
+            handle=handle,
+            job=job.id,
+            deadline=job.started_at + job.timeout,
+            poll_interval=self.poll_interval,
+            on_kill_action="stop" if attached else "destroy",
+            holder=task_holder(session._context) if attached and session._context else None,
+            resume={"timeout": job.timeout, "started_at": job.started_at, **self._deferred_state()},
+        )
+        self.log.info("Deferring while the command runs; the triggerer relays its output to this log")
+        self.defer(trigger=trigger, method_name="execute_complete")
+
+    def execute_complete(self, context: Context, event: Mapping[str, Any]) -> Any:
+        """Resume once the deferred command ended (or its sandbox or deadline did): collect, export, tear down."""
+        deferred = {**event["resume"], "handle": event["handle"], "job": event["job"]}
+        self._restore_deferred_state(deferred)
+        options = self._options.rendered(attach_to=self.attach_to, inputs=self.inputs, exports=self.exports, files={})
+        session = SandboxSession.resume(get_sandbox_hook(self.backend), options, deferred["handle"], context=context)
+        self._session = session
+        job = DetachedJob(
+            id=deferred["job"], timeout=float(deferred["timeout"]), started_at=float(deferred["started_at"])
+        )
+        try:
+            status = event.get("status")
+            if status == "gone":
+                raise SandboxCommandError(
+                    f"The sandbox ended while the command ran; its files are gone.\n{event.get('message')}"
+                )
+            if status == "timeout":
+                session.stop_detached(job)
+                raise SandboxCommandError(
+                    f"The command ran past its timeout of {job.timeout:g}s in sandbox {deferred['handle']}: "
+                    f"{event.get('message')} It was stopped. Raise timeout= or make the command faster."
+                )
+            return self._conclude(
+                context, session, session.collect_detached(job, max_output_bytes=self.max_output_bytes)
+            )
+        finally:
+            self._close(session, succeeded=False)
+
+    def _deferred_state(self) -> dict[str, Any]:
+        """What a subclass needs back when the task resumes after deferring (JSON values)."""
+        return {}
+
+    def _restore_deferred_state(self, state: Mapping[str, Any]) -> None:
+        """Take back what :meth:`_deferred_state` gave, in the resumed task."""
+
+    def _conclude(self, context: Context, session: SandboxSession, result: SandboxExecResult | None) -> Any:
+        """After the command (if any): check its result, collect, then export and tear down; the XCom."""
+        if result is not None:
+            self._check_result(session, result)
+        collected = self._collect(session, result)
+        self._kept_handle: str | None = session.handle
+        handle = self._kept_handle
+        self._close(session, succeeded=True)
         for record in session.export_records:
             self.log.info("Exported %s to %s (%d bytes)", record.path, record.url, record.size_bytes)
+        emit_asset_events(context, self._assets, session.export_records, backend=session.hook.name, handle=handle)
         emit_asset_events(context, self._assets, session.export_records, backend=session.hook.name, handle=handle)
         if self.keep_sandbox is True:
             self.log.info("Sandbox %s stays up for later tasks; attach with its handle", self._kept_handle)
         return self._xcom(session, result, collected)
+
+    def _close(self, session: SandboxSession, *, succeeded: bool) -> None:
+        """Export (after success) and destroy, release or keep; a closed session is left as it is."""
+        if session.closed:
+            return
+        if not succeeded and self.keep_sandbox is True and not session.attach_mode:
+            # Nobody receives the handle of a failed task: remove what this task provisioned.
+            session.keep = None
+        session.close(succeeded=succeeded)
 
     def _check_result(self, session: SandboxSession, result: SandboxExecResult) -> None:
         handle = session.handle or "(ended)"

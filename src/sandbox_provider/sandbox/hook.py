@@ -21,8 +21,10 @@ from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from airflow.sdk import BaseHook
 
+from sandbox_provider.sandbox import jobs
 from sandbox_provider.sandbox.connection_test import connection_test_origin
 from sandbox_provider.sandbox.errors import SandboxError, SandboxHandleError, SandboxTerminalError
+from sandbox_provider.sandbox.jobs import DetachedJob, JobCursor, JobState
 from sandbox_provider.sandbox.network import NetworkReach, describe_reach, missing_phrases
 from sandbox_provider.sandbox.output import TailBuffer
 from sandbox_provider.sandbox.settings import ConnectionForm, SettingsTable
@@ -58,6 +60,10 @@ FILE_OP_TIMEOUT = 120.0
 STREAM_CHUNK_BYTES = 1024 * 1024
 #: The shortest deadline a command gets when the lifetime left is shorter still, in seconds.
 MIN_COMMAND_SECONDS = 0.5
+#: Seconds one control program of a detached command (start, poll, stop) may take.
+JOB_CONTROL_TIMEOUT = 60.0
+#: Bytes of output a control program of a detached command may give back (a poll's base64, both streams).
+JOB_CONTROL_OUTPUT_BYTES = 4 * jobs.POLL_BYTES
 #: The pattern of the handles ``new_sandbox_name`` makes: the prefix and 1 to 112 plain characters.
 NAMED_HANDLE = re.compile(re.escape(SANDBOX_NAME_PREFIX) + r"[A-Za-z0-9][A-Za-z0-9_.-]{0,111}")
 
@@ -317,6 +323,13 @@ class SandboxHook(BaseHook):
     #: The spec ``test_connection`` provisions with; None (the default) for no network, or an open one
     #: when ``capabilities`` cannot block it.
     connection_test_spec: ClassVar[SandboxSpec | None] = None
+    #: Whether commands can run detached here (:meth:`start_detached`, :meth:`poll`, :meth:`stop`), checked
+    #: from another process than the one that started them: what ``deferrable=True`` needs.
+    detached_commands: ClassVar[bool] = False
+    #: For a backend that cannot, why not, in a sentence that completes the refusal.
+    detached_refusal: ClassVar[str] = (
+        "it has no way to leave a command running in the background and check on it from another process."
+    )
 
     workdir: str = DEFAULT_WORKDIR
 
@@ -573,6 +586,176 @@ class SandboxHook(BaseHook):
                 "longer sandbox_timeout."
             )
         return max(MIN_COMMAND_SECONDS, left)
+
+    # -- detached commands ---------------------------------------------------------------------------
+
+    def start_detached(self, handle: str, command: str, *, timeout: float, max_output_bytes: int) -> DetachedJob:
+        """
+        Start ``command`` through ``sh -c`` in the sandbox's working directory and return at once,
+        the command running on; its output and exit status stay in the sandbox for :meth:`poll`.
+
+        :param timeout: seconds before the command's process group is killed, enforced in the sandbox
+            itself; cut to the lifetime the sandbox has left (the job's ``timeout`` says what applied).
+        :param max_output_bytes: bytes of each stream the result's tails keep; the sandbox keeps at
+            least this much of each stream (and at least :data:`~sandbox_provider.sandbox.jobs.RELAY_WINDOW_BYTES`).
+        :returns: the :class:`~sandbox_provider.sandbox.jobs.DetachedJob` (its ``id`` names it).
+        :raises SandboxError: for an empty command, or one the sandbox could not start (no coreutils).
+        :raises SandboxTerminalError: on a backend without detached commands, or a sandbox that is gone.
+        """
+        handle = self.check_handle(handle)
+        check_positive(timeout, "timeout")
+        check_byte_count(max_output_bytes, "max_output_bytes")
+        check_command(command)
+        self._require_detached()
+        budget = self._deadline(handle, float(timeout))
+        job = jobs.new_job_id()
+        started_at = time.time()
+        code, out, err = self._job_exec(
+            handle,
+            jobs.start_command(job, command, budget, int(max_output_bytes)),
+            timeout=JOB_CONTROL_TIMEOUT,
+            starts=True,
+        )
+        if code != 0 or b"airflow-sandbox-job started" not in out:
+            reason = err.decode("utf-8", "replace").strip()[-500:] or f"status {code}"
+            raise SandboxError(f"Could not start a detached command in sandbox {handle}: {reason}")
+        return DetachedJob(id=job, timeout=budget, started_at=started_at)
+
+    def poll(
+        self,
+        handle: str,
+        job: str | DetachedJob,
+        since: JobCursor | None = None,
+        *,
+        max_bytes: int = jobs.POLL_BYTES,
+        keep_cursor: bool = False,
+    ) -> JobState:
+        """
+        Read what detached job ``job`` wrote since ``since`` (byte offsets of each stream; None: the
+        start), at most ``max_bytes`` of each stream, and whether it ended. Read from the returned
+        ``cursor`` on next time: no byte comes twice, and ``skipped`` counts any no longer kept.
+
+        :param keep_cursor: record ``since`` in the sandbox, beside the output, as where this reader
+            stands (it handed on everything before it); a reader that restarts finds it in the
+            state's ``kept_cursor``. Default False.
+        :raises SandboxError: when the sandbox holds no such job.
+        :raises SandboxTerminalError: when the sandbox is gone.
+        """
+        handle = self.check_handle(handle)
+        job_id = jobs.check_job_id(job)
+        since = JobCursor.from_value(since)
+        return self._poll_job(handle, job_id, since, int(check_byte_count(max_bytes, "max_bytes")), keep_cursor)
+
+    def _poll_job(
+        self, handle: str, job: str, since: JobCursor | None, max_bytes: int, keep_cursor: bool = False
+    ) -> JobState:
+        self._require_detached()
+        code, out, err = self._job_exec(
+            handle,
+            jobs.poll_command(job, since, max_bytes, keep_cursor=keep_cursor),
+            timeout=JOB_CONTROL_TIMEOUT,
+            max_output_bytes=2 * (4 * (max_bytes // 3 + 1) + 256),
+        )
+        if code == jobs.NO_JOB_STATUS:
+            raise SandboxError(
+                f"Sandbox {handle} holds no detached command {job}: it was never started there, or the sandbox was "
+                "replaced."
+            )
+        if code != 0:
+            reason = err.decode("utf-8", "replace").strip()[-500:] or f"status {code}"
+            raise SandboxError(f"Could not read the state of detached command {job} in sandbox {handle}: {reason}")
+        return jobs.parse_poll(out, since, handle)
+
+    def job_result(
+        self, handle: str, job: str | DetachedJob, *, max_output_bytes: int, timeout: float
+    ) -> SandboxExecResult:
+        """
+        The result of detached job ``job`` once it ended, as :meth:`run_command` would have given it:
+        its exit status and the last ``max_output_bytes`` of each stream, with their totals.
+
+        :param timeout: the deadline it ran under (the job's ``timeout``), for ``applied_timeout``.
+        :raises SandboxError: when the job has not ended, or the sandbox holds no such job.
+        :raises SandboxTerminalError: when the sandbox is gone.
+        """
+        handle = self.check_handle(handle)
+        job_id = jobs.check_job_id(job)
+        limit = int(check_byte_count(max_output_bytes, "max_output_bytes"))
+        state = self._poll_job(handle, job_id, None, limit + 1)
+        if state.exit_code is None:
+            raise SandboxError(f"Detached command {job_id} in sandbox {handle} is still running; poll until it ended.")
+        sink = OutputSink(limit)
+        sink.restate("stdout", state.stdout, total_bytes=state.totals.stdout, newlines=state.newlines.stdout)
+        sink.restate("stderr", state.stderr, total_bytes=state.totals.stderr, newlines=state.newlines.stderr)
+        outcome = RunOutcome(exit_code=state.exit_code, timed_out=state.timed_out)
+        return sink.result(outcome, float(timeout))
+
+    def stop(self, handle: str, job: str | DetachedJob) -> None:
+        """
+        Kill detached job ``job`` (its process group) and wait, a few seconds at most, until its status
+        is kept. A job that ended already, or that the sandbox does not hold, is no error.
+
+        :raises SandboxTerminalError: when the sandbox is gone.
+        """
+        handle = self.check_handle(handle)
+        job_id = jobs.check_job_id(job)
+        self._require_detached()
+        code, _, err = self._job_exec(handle, jobs.stop_command(job_id), timeout=JOB_CONTROL_TIMEOUT)
+        if code not in (0, jobs.NO_JOB_STATUS):
+            log.warning(
+                "Detached command %s in sandbox %s did not confirm it stopped (status %s)", job_id, handle, code
+            )
+
+    def _require_detached(self) -> None:
+        if not self.detached_commands:
+            raise SandboxTerminalError(
+                f"The {self.display_name} backend cannot run commands detached. {self.detached_refusal}".strip()
+            )
+
+    def _job_exec(
+        self,
+        handle: str,
+        command: str,
+        *,
+        timeout: float,
+        starts: bool = False,
+        max_output_bytes: int = JOB_CONTROL_OUTPUT_BYTES,
+    ) -> tuple[int, bytes, bytes]:
+        """``(exit status, stdout, stderr)`` of a control program (see :meth:`_control`), ``max_output_bytes`` of stdout at most."""
+        output = OutputSink(max(max_output_bytes, JOB_CONTROL_OUTPUT_BYTES))
+        code = self._control(handle, command, timeout=timeout, starts=starts, output=output)
+        return code, output.out.getvalue(), output.err.getvalue()
+
+    def _control(self, handle: str, command: str, *, timeout: float, starts: bool, output: OutputSink) -> int:
+        """
+        Run a control program of a detached command (a short ``sh -c`` command line), writing its
+        output to ``output``, and return its exit status. What it leaves running in the background
+        must live on, and nothing may end the sandbox's other processes. Default: :meth:`_run`, for
+        backends whose commands leave background processes be; a backend whose ``_run`` ends them
+        overrides this.
+
+        :param starts: this program starts a job (a backend may first end what an earlier holder
+            left running, as before any command); the others only read or stop one.
+        :raises SandboxError: when it ran past ``timeout``; :raises SandboxTerminalError: sandbox gone.
+        """
+        outcome = self._run(handle, command, timeout=timeout, output=output)
+        if outcome.sandbox_terminated:
+            raise SandboxTerminalError(f"Sandbox {handle} ended while a detached command was checked on.")
+        if outcome.timed_out:
+            raise SandboxError(f"Checking on a detached command in sandbox {handle} took longer than {timeout:g}s.")
+        return outcome.exit_code
+
+    def detached_arguments(self) -> dict[str, Any]:
+        """
+        Keyword arguments that build, in another process (the triggerer), a hook of this class that
+        reaches the same sandboxes: the connection id and the settings given as arguments. JSON values.
+        """
+        arguments: dict[str, Any] = {}
+        conn_id = getattr(self, self.conn_name_attr, None)
+        if conn_id is not None:
+            arguments[self.conn_name_attr] = conn_id
+        given = getattr(self, "_args", None) or {}
+        arguments.update({name: value for name, value in dict(given).items() if value is not None})
+        return arguments
 
     def destroy(self, handle: str) -> None:
         """Remove the sandbox and everything in it. Destroying a sandbox that is gone is not an error."""

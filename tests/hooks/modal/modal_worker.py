@@ -6,8 +6,11 @@ A sandbox is a directory on the host. Every command runs in bubblewrap with that
 root, the host's ``/usr`` and ``/etc`` read-only over it, a ``python`` on ``PATH`` as the
 ``python:*`` images have, the filesystem helper at ``/__modal/.bin/modal-sandbox-fs-tools``, its own
 user, PID and network namespaces (no network at all), ``--clearenv`` and then only a base ``PATH``,
-``HOME`` and ``LANG``, the sandbox's env and the exec's env, in that order. Its own PID namespace
-means everything a command started ends with it, and killing the command's bubblewrap kills them all.
+``HOME`` and ``LANG``, the sandbox's env and the exec's env, in that order. Every command of a sandbox
+runs in the sandbox's one user and PID namespace, which a holder process keeps from the first command
+to the sandbox's end, as the commands of a container share it: what a command started in its own
+process group ends with it (killing the command's bubblewrap's group kills them), what it started in a
+session of its own (``setsid``) lives on until the sandbox ends, and ending the sandbox ends them all.
 
 What the router does the way Modal does it, because the provider depends on it:
 
@@ -103,6 +106,9 @@ class SandboxRecord:
     execs: dict[str, ExecRecord] = field(default_factory=dict)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     lifetime: asyncio.TimerHandle | None = None
+    #: The process that holds the sandbox's namespaces, and descriptors of its user and PID namespaces.
+    holder: asyncio.subprocess.Process | None = None
+    namespaces: tuple[int, int] | None = None
 
     @property
     def workdir(self) -> str:
@@ -186,6 +192,7 @@ async def end(record: SandboxRecord, status: int) -> None:
         record.lifetime.cancel()
     for command in record.execs.values():
         _kill(command)
+    await _release(record)
     await asyncio.gather(*(command.done.wait() for command in record.execs.values() if command.process))
     record.ended.set()  # whoever waits for the end sees it once nothing runs any more
 
@@ -198,15 +205,65 @@ def _kill(command: ExecRecord) -> None:
             pass
 
 
-def bwrap_argv(record: SandboxRecord, command: ExecRecord) -> list[str]:
-    argv = [
-        "bwrap", "--die-with-parent", "--unshare-user", "--uid", "0", "--gid", "0",
-        "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--hostname", "modal",
+def _root_argv(record: SandboxRecord) -> list[str]:
+    return [
         "--bind", str(record.root), "/",
         "--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc",
         "--ro-bind", str(record.root.parent / IMAGE_BIN), "/usr/local/bin",
         "--ro-bind", str(_HERE / "sandbox_fs_tools.py"), FS_TOOLS_PATH,
         "--proc", "/proc", "--dev", "/dev",
+    ]  # fmt: skip
+
+
+async def _hold(record: SandboxRecord) -> tuple[int, int]:
+    """The sandbox's user and PID namespaces, made by a holder process on first use."""
+    if record.namespaces is not None:
+        return record.namespaces
+    read, write = os.pipe()
+    try:
+        record.holder = await asyncio.create_subprocess_exec(
+            "bwrap", "--die-with-parent", "--unshare-user", "--uid", "0", "--gid", "0", "--unshare-pid",
+            "--unshare-net", "--info-fd", str(write), *_root_argv(record), "--", "sleep", "infinity",
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+            pass_fds=(write,), start_new_session=True,
+        )  # fmt: skip
+        os.close(write)
+        write = -1
+        info = await asyncio.get_running_loop().run_in_executor(None, _read_all, read)
+    finally:
+        os.close(read)
+        if write >= 0:
+            os.close(write)
+    child = json.loads(info)["child-pid"]
+    record.namespaces = (os.open(f"/proc/{child}/ns/user", os.O_RDONLY), os.open(f"/proc/{child}/ns/pid", os.O_RDONLY))
+    return record.namespaces
+
+
+def _read_all(fd: int) -> bytes:
+    data = b""
+    while chunk := os.read(fd, 4096):
+        data += chunk
+    return data
+
+
+async def _release(record: SandboxRecord) -> None:
+    """End the holder, and with its namespace every process left in the sandbox."""
+    if record.holder is not None and record.holder.returncode is None:
+        try:
+            os.killpg(record.holder.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        await record.holder.wait()
+    for fd in record.namespaces or ():
+        os.close(fd)
+    record.namespaces = None
+
+
+def bwrap_argv(record: SandboxRecord, command: ExecRecord) -> list[str]:
+    user, pid = record.namespaces or (-1, -1)
+    argv = [
+        "bwrap", "--die-with-parent", "--userns", str(user), "--pidns", str(pid), "--uid", "0", "--gid", "0",
+        "--unshare-net", "--unshare-ipc", "--unshare-uts", "--hostname", "modal", *_root_argv(record),
         "--chdir", command.workdir, "--clearenv",
     ]  # fmt: skip
     for key, value in command.env.items():
@@ -333,11 +390,13 @@ refuse_the_rest(Router, TaskCommandRouterBase)
 
 async def start(record: SandboxRecord, command: ExecRecord) -> None:
     """Start ``command`` in ``record``: pump its output, kill it at its deadline, note how it ended."""
+    namespaces = await _hold(record)
     command.process = await asyncio.create_subprocess_exec(
         *bwrap_argv(record, command),
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        pass_fds=namespaces,
         start_new_session=True,
     )
     loop = asyncio.get_running_loop()

@@ -111,27 +111,42 @@ class DockerExec(batch.ExecTransfers):
             driver.mark_swept(handle, False)
             fresh = driver.is_fresh(handle)
             began = time.monotonic()
-            try:
-                end = docker_exec.run_exec(
-                    api,
-                    handle,
-                    driver.wait_argv(argv) if fresh else argv,
-                    user=labels[driver.USER_LABEL],
-                    workdir=labels.get(WORKDIR_TAG) or self.workdir,
-                    deadline=timeout,
-                    on_output=deliver,
-                    sweep=lambda: driver.sweep(api, handle),
-                    stdin=stdin,
-                    stdin_size=stdin_size,
-                    trust_status=labels[driver.USER_LABEL] != "0:0",
-                )
-            except _engine_errors() as err:  # a task timeout or Ctrl-C raised meanwhile goes on as it is
-                raise self._exec_error(err, handle, fresh) from err
+            end = self._launch(
+                handle,
+                argv,
+                timeout=timeout,
+                on_output=deliver,
+                sweep=lambda: driver.sweep(api, handle),
+                stdin=stdin,
+                stdin_size=stdin_size,
+                trust_status=labels[driver.USER_LABEL] != "0:0",
+            )
             terminated = self._settle(handle, end, read_back)
         if fresh:
             self._check_keeper(handle, end, first)
         elapsed = time.monotonic() - began
         return self._outcome(handle, end, first, elapsed, command_seconds or timeout, terminated), end.stdin_read
+
+    def _launch(
+        self, handle: str, argv: list[str], *, timeout: float, on_output: Any, sweep: Any, **options: Any
+    ) -> docker_exec.ExecEnd:
+        """One exec of ``argv`` as the command user, in the workdir, after the keeper of a new sandbox is up."""
+        labels = self._labels(handle)
+        fresh = driver.is_fresh(handle)
+        try:
+            return docker_exec.run_exec(
+                self._client().api,
+                handle,
+                driver.wait_argv(argv) if fresh else argv,
+                user=labels[driver.USER_LABEL],
+                workdir=labels.get(WORKDIR_TAG) or self.workdir,
+                deadline=timeout,
+                on_output=on_output,
+                sweep=sweep,
+                **options,
+            )
+        except _engine_errors() as err:  # a task timeout or Ctrl-C raised meanwhile goes on as it is
+            raise self._exec_error(err, handle, fresh) from err
 
     def _settle(self, handle: str, end: docker_exec.ExecEnd, read_back: str | None) -> bool:
         """After an exec, under the sandbox's lock: mark the sandbox swept, or sweep it; True when it ended."""
@@ -236,6 +251,33 @@ class DockerExec(batch.ExecTransfers):
 
         outcome, _ = self._exec(handle, argv, timeout=float(driver.deadline_arg(timeout)), on_output=deliver)
         return outcome
+
+    def _control(self, handle: str, command: str, *, timeout: float, starts: bool, output: OutputSink) -> int:
+        # A detached command's control programs run bare, not under the runner: its closing kill(-1)
+        # would end the job, and so would a sweep after them. The one that starts a job first ends
+        # what an earlier holder left running, as any command does; the job then runs unswept until
+        # a later command or file operation of a process that did not start it sweeps it (the task
+        # resuming after the job ended, say).
+        def deliver(stream: int, data: bytes) -> None:
+            (output.stderr if stream == 2 else output.stdout)(data)
+
+        with driver.sandbox_lock(handle):
+            if starts:
+                self._sweep_first(handle)
+                driver.mark_swept(handle, False)
+            fresh = driver.is_fresh(handle)
+            # A control program past its deadline is left as it is: the job must live on.
+            end = self._launch(handle, ["sh", "-c", command], timeout=timeout, on_output=deliver, sweep=lambda: True)
+        if fresh:
+            self._check_keeper(handle, end, output.err.getvalue())
+        if end.error is not None:
+            raise self._engine_error(end.error, "checking on a detached command", handle) from end.error
+        if end.exit_code is None or end.swept:
+            if not driver.is_running(self._client().api, handle):
+                self._forget(handle)
+                raise SandboxTerminalError(f"Sandbox {handle} ended while a detached command was checked on.")
+            raise SandboxError(f"Checking on a detached command in sandbox {handle} took longer than {timeout:g}s.")
+        return end.exit_code
 
     def _op_argv(self, program: str, args: Sequence[str]) -> list[str]:
         return driver.op_argv(guest.program(program), program, *args)

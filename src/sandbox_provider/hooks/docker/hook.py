@@ -130,6 +130,7 @@ class DockerSandboxHook(GatewayEgress, DockerExec, StreamFiles, ShellFiles, Atta
     )
     form = FORM
     egress_from_outside = True
+    detached_commands = True
     #: Seconds a container may stay created but never started before a sweep removes it.
     created_grace: float = driver.CREATED_GRACE
 

@@ -27,7 +27,7 @@ from sandbox_provider.hooks.kubernetes.exec import ExecEnd, run_exec
 from sandbox_provider.sandbox import batch_stream as batch
 from sandbox_provider.sandbox.batch import ImportEntry
 from sandbox_provider.sandbox.batch_stream import check_utf8_command
-from sandbox_provider.sandbox.errors import SandboxError
+from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 from sandbox_provider.sandbox.hook import FILE_OP_TIMEOUT, OutputSink, RunOutcome
 
 log = logging.getLogger(__name__)
@@ -133,6 +133,30 @@ class KubernetesExec(batch.ExecTransfers):
 
         outcome, _ = self._exec(handle, argv, timeout=timeout, on_output=deliver)
         return outcome
+
+    def _control(self, handle: str, command: str, *, timeout: float, starts: bool, output: OutputSink) -> int:
+        # A detached command's control programs run bare, in the workdir, not under the runner: its
+        # closing kill(-1) would end the job, and so would a sweep after them.
+        self._running_pod(handle)
+
+        def deliver(stream: int, data: bytes) -> None:
+            (output.stderr if stream == 2 else output.stdout)(data)
+
+        argv = ["sh", "-c", 'cd -- "$1" && exec sh -c "$2"', "sandbox-job", self.workdir, check_utf8_command(command)]
+        with sandbox_lock(handle):
+            # A control program past its deadline is left as it is: the job must live on.
+            end = run_exec(
+                lambda: self._open_exec(handle, argv, stdin=False),
+                deadline=timeout,
+                on_output=deliver,
+                sweep=lambda: True,
+            )
+        if end.exit_code is None:
+            if self._ended(handle) is not None:
+                self._forget(handle)
+                raise SandboxTerminalError(f"Sandbox {handle} ended while a detached command was checked on.")
+            raise SandboxError(f"Checking on a detached command in sandbox {handle} failed: {end.message}")
+        return end.exit_code
 
     def _op_argv(self, program: str, args: Sequence[str]) -> list[str]:
         return driver.op_argv(self.workdir, program, *args)

@@ -104,6 +104,7 @@ class KubernetesSandboxHook(KubernetesExec, KubernetesStamps, StreamFiles, Shell
 
     name: ClassVar[str] = "kubernetes"
     display_name: ClassVar[str] = "Kubernetes"
+    detached_commands: ClassVar[bool] = True
     capabilities = Capabilities(
         egress_hosts=False,
         egress_cidrs=True,

@@ -94,6 +94,10 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
     """
 
     name = "local"
+    detached_refusal = (
+        "its sandboxes live on the worker that made them (bubblewrap processes and state in that worker's own "
+        "directories), where a triggerer, on another machine or in another container, cannot reach them."
+    )
     display_name = "local"
     capabilities = Capabilities(
         egress_hosts=True,

@@ -124,6 +124,10 @@ class ModalSandboxHook(Attachable, SandboxHook):
 
     name = "modal"
     display_name = "Modal"
+    # Detached commands: the control programs run as commands (Sandbox.exec); what one starts in a
+    # session of its own lives on in the sandbox after the exec returns, as a background process of a
+    # container does.
+    detached_commands = True
     capabilities = Capabilities(
         egress_hosts=True,
         egress_cidrs=True,
@@ -423,6 +427,10 @@ class ModalSandboxHook(Attachable, SandboxHook):
         return RunOutcome(
             exit_code=exit_code, timed_out=timed_out, sandbox_terminated=terminated, applied_timeout=float(seconds)
         )
+
+    def detached_arguments(self) -> dict[str, Any]:
+        """The credentials' connection, the app and the workdir: what finds a sandbox by its id again."""
+        return {"modal_conn_id": self.modal_conn_id, "app_name": self.app_name, "workdir": self.workdir}
 
     # -- files -----------------------------------------------------------------------------------------
 

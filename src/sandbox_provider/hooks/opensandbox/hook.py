@@ -139,6 +139,9 @@ class OpenSandboxHook(Attachable, SandboxHook):
     name = "opensandbox"
     display_name = "OpenSandbox"
     form = FORM
+    # Detached commands: the control programs run as commands (execd ends a command's process group
+    # only at its timeout or when its caller goes away; the runner is in a session of its own).
+    detached_commands = True
     capabilities = Capabilities(
         egress_hosts=True,
         egress_cidrs=True,

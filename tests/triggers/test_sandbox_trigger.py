@@ -1,0 +1,234 @@
+"""SandboxCommandTrigger over a backend whose sandboxes are host directories: relay, restarts, deadlines, kills."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from fake_hook import FakeSandboxHook
+from sandbox_provider.sandbox.errors import SandboxTerminalError
+from sandbox_provider.triggers import sandbox as trigger_module
+from sandbox_provider.triggers.sandbox import MAX_LINE_BYTES, SandboxCommandTrigger, relayable
+
+
+class DetachedFakeHook(FakeSandboxHook):
+    """The fake backend, with detached commands, whose sandboxes another instance finds by directory."""
+
+    name = "detached-fake"
+    detached_commands = True
+
+    def _dir(self, handle: str) -> str:
+        path = os.path.join(self.root, handle)
+        if not os.path.isdir(path):
+            raise SandboxTerminalError(f"Sandbox {handle!r} does not exist.")
+        self.env.setdefault(handle, {})
+        return path
+
+    def detached_arguments(self):
+        return {"root": self.root}
+
+
+@pytest.fixture
+def hook(tmp_path):
+    return DetachedFakeHook(root=str(tmp_path / "sandboxes"))
+
+
+@pytest.fixture
+def handle(hook):
+    handle = hook.create()
+    yield handle
+    hook.destroy(handle)
+
+
+class Recorder:
+    """A logger that keeps what it is told, formatted: the trigger's log as the task log would show it."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    def _keep(self, msg, *args, **kwargs):
+        self.messages.append(str(msg) % args if args else str(msg))
+
+    info = warning = error = debug = exception = _keep
+
+
+@pytest.fixture
+def caplog():  # noqa: F811 - what the trigger logs, kept by the triggers the tests make
+    return Recorder()
+
+
+def make_trigger(hook, handle, job, log=None, **kwargs):
+    defaults = {
+        "hook_class": f"{__name__}:DetachedFakeHook",
+        "hook_arguments": hook.detached_arguments(),
+        "handle": handle,
+        "job": job.id,
+        "deadline": job.started_at + job.timeout,
+        "poll_interval": 0.2,
+    }
+    trigger = SandboxCommandTrigger(**{**defaults, **kwargs})
+    if log is not None:
+        trigger._log = log
+    return trigger
+
+
+def first_event(trigger, limit: float = 60):
+    async def main():
+        async for event in trigger.run():
+            return event.payload
+        return None
+
+    return asyncio.run(asyncio.wait_for(main(), limit))
+
+
+def relayed(log: Recorder) -> list[str]:
+    return [message for message in log.messages if message.startswith("[std")]
+
+
+async def relay_partly(trigger, log, count):
+    """Run ``trigger`` until it relayed ``count`` lines, then cancel it, as a triggerer going away does."""
+
+    async def run():
+        async for _ in trigger.run():
+            break
+
+    task = asyncio.ensure_future(run())
+    while len(relayed(log)) < count:
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)  # its next poll records where it stands
+    task.cancel()
+
+
+def end_job(job) -> None:
+    """Stop a job of a sandbox the test destroyed (the fake's jobs are host processes)."""
+    from sandbox_provider.sandbox.jobs import stop_command
+
+    subprocess.run(["sh", "-c", stop_command(job.id)], check=False)
+
+
+def test_lines_are_relayed_in_order_and_the_event_says_how_it_ended(hook, handle, caplog):
+    job = hook.start_detached(
+        handle,
+        'for i in 1 2 3; do echo "out $i"; sleep 0.3; done; echo bad >&2; printf tail; exit 4',
+        timeout=30,
+        max_output_bytes=1000,
+    )
+    event = first_event(make_trigger(hook, handle, job, caplog, resume={"call_dir": "x"}))
+    assert event["status"] == "ended" and event["exit_code"] == 4
+    assert event["resume"] == {"call_dir": "x"} and event["handle"] == handle and event["job"] == job.id
+    lines = relayed(caplog)
+    assert [line for line in lines if line.startswith("[stdout]")] == [
+        "[stdout] out 1",
+        "[stdout] out 2",
+        "[stdout] out 3",
+        "[stdout] tail",
+    ]
+    assert "[stderr] bad" in lines
+
+
+def test_a_restarted_trigger_resumes_after_the_last_line_relayed(hook, handle, caplog):
+    job = hook.start_detached(
+        handle, 'for i in $(seq 1 12); do echo "line $i"; sleep 0.25; done', timeout=30, max_output_bytes=1000
+    )
+
+    asyncio.run(relay_partly(make_trigger(hook, handle, job, caplog), caplog, 4))
+    before = relayed(caplog)
+    assert 4 <= len(before) < 12
+    # The new trigger is built from the arguments the task deferred with (cursor at the start).
+    event = first_event(make_trigger(hook, handle, job, caplog))
+    assert event["status"] == "ended"
+    assert relayed(caplog) == [f"[stdout] line {i}" for i in range(1, 13)], before
+
+
+def test_without_the_kept_cursor_a_restart_would_relay_lines_twice(hook, handle, caplog):
+    # The positive control of the case above: the same restart, with the sandbox's record removed.
+    job = hook.start_detached(
+        handle, 'for i in $(seq 1 12); do echo "line $i"; sleep 0.25; done', timeout=30, max_output_bytes=1000
+    )
+    asyncio.run(relay_partly(make_trigger(hook, handle, job, caplog), caplog, 4))
+    before = relayed(caplog)
+    os.remove(f"/tmp/airflow-sandbox-job.{job.id}/kept")
+    first_event(make_trigger(hook, handle, job, caplog))
+    assert relayed(caplog) == before + [f"[stdout] line {i}" for i in range(1, 13)]
+
+
+def test_a_command_past_its_deadline_and_grace_fires_a_timeout(hook, handle, monkeypatch):
+    monkeypatch.setattr(trigger_module, "DEADLINE_GRACE", 0.5)
+    job = hook.start_detached(handle, "sleep 30", timeout=30, max_output_bytes=1000)
+    try:
+        event = first_event(make_trigger(hook, handle, job, deadline=time.time()))
+        assert event["status"] == "timeout" and "after its deadline" in event["message"]
+    finally:
+        hook.stop(handle, job)
+
+
+def test_a_sandbox_that_is_gone_fires_gone(hook, handle):
+    job = hook.start_detached(handle, "sleep 30", timeout=30, max_output_bytes=1000)
+    hook.stop(handle, job)
+    shutil.rmtree(os.path.join(hook.root, handle))
+    event = first_event(make_trigger(hook, handle, job))
+    assert event["status"] == "gone" and handle in event["message"]
+
+
+def test_on_kill_destroys_the_sandbox(hook, handle):
+    job = hook.start_detached(handle, "sleep 30", timeout=30, max_output_bytes=1000)
+    try:
+        asyncio.run(make_trigger(hook, handle, job).on_kill())
+        assert not os.path.isdir(os.path.join(hook.root, handle))
+    finally:
+        end_job(job)
+
+
+def test_on_kill_of_an_attached_sandbox_stops_the_command_and_releases(hook, handle):
+    job = hook.start_detached(handle, "sleep 30", timeout=30, max_output_bytes=1000)
+    released = []
+    hook_class = type("Releasing", (DetachedFakeHook,), {"release": lambda self, h, *, holder: released.append(h)})
+    globals()["Releasing"] = hook_class
+    trigger = make_trigger(hook, handle, job, hook_class=f"{__name__}:Releasing", on_kill_action="stop", holder="d/r/t")
+    asyncio.run(trigger.on_kill())
+    state = hook.poll(handle, job)
+    assert state.stopped and state.exit_code == 137
+    assert released == [handle] and os.path.isdir(os.path.join(hook.root, handle))
+
+
+@pytest.mark.parametrize(("task_state", "destroyed"), [("deferred", False), ("failed", True), ("success", True)])
+def test_before_airflow_3_3_cleanup_ends_the_work_only_when_the_task_left_deferred(
+    hook, handle, monkeypatch, task_state, destroyed
+):
+    monkeypatch.setattr(trigger_module, "_USER_KILLS_CALL_ON_KILL", False)
+    job = hook.start_detached(handle, "sleep 30", timeout=30, max_output_bytes=1000)
+    trigger = make_trigger(hook, handle, job)
+
+    async def state():
+        return task_state
+
+    monkeypatch.setattr(trigger, "_task_state", state)
+    try:
+        asyncio.run(trigger.cleanup())
+        assert os.path.isdir(os.path.join(hook.root, handle)) is not destroyed
+    finally:
+        end_job(job)
+
+
+def test_serialize_round_trips():
+    trigger = SandboxCommandTrigger(
+        hook_class="m:C", hook_arguments={"a": 1}, handle="h", job="0" * 32, deadline=5.0, cursor=[3, 4]
+    )
+    path, kwargs = trigger.serialize()
+    assert path == "sandbox_provider.triggers.sandbox.SandboxCommandTrigger"
+    assert SandboxCommandTrigger(**kwargs).serialize() == (path, kwargs)
+    assert kwargs["cursor"] == [3, 4]
+    with pytest.raises(ValueError, match="job id"):
+        SandboxCommandTrigger(hook_class="m:C", hook_arguments={}, handle="h", job="../x", deadline=5.0)
+
+
+def test_only_whole_lines_are_relayed_before_the_end():
+    assert relayable(b"a\nb\npart", final=False) == 4
+    assert relayable(b"a\nb\npart", final=True) == 8
+    assert relayable(b"x" * (MAX_LINE_BYTES + 5), final=False) == MAX_LINE_BYTES
+    assert relayable(b"x" * 10, final=False) == 0
