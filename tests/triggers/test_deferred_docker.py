@@ -19,6 +19,7 @@ def _engine():
 
 
 class TestDeferredDocker(DeferredBattery):
+    long_seconds = 60
     backend_code = f"""
     from sandbox_provider.hooks.docker import DockerSandboxHook
 

@@ -187,6 +187,11 @@ class SandboxSession:
         return self._handle
 
     @property
+    def holder(self) -> str | None:
+        """Who holds the attached sandbox (set once attached); None when this session provisioned it."""
+        return self._holder if self.attach_mode else None
+
+    @property
     def closed(self) -> bool:
         """The session was closed (or suspended): nothing more runs in it."""
         return self._closed

@@ -12,7 +12,7 @@ from airflow.sdk.exceptions import AirflowException, AirflowSkipException, TaskD
 from sandbox_provider.engine.lineage import SandboxReport, emit_asset_events, plan_assets
 from sandbox_provider.engine.options import SessionOptions, check_attachable
 from sandbox_provider.engine.output import LineLog, mask_stream, tail_text
-from sandbox_provider.engine.session import SandboxSession, task_holder
+from sandbox_provider.engine.session import SandboxSession
 from sandbox_provider.engine.transfer import DEFAULT_MAX_EXPORT_BYTES
 from sandbox_provider.hooks import get_sandbox_hook
 from sandbox_provider.sandbox.hook import SandboxHook
@@ -336,7 +336,7 @@ class SandboxOperator(BaseOperator):
             deadline=job.started_at + job.timeout,
             poll_interval=self.poll_interval,
             on_kill_action="stop" if attached else "destroy",
-            holder=task_holder(session._context) if attached and session._context else None,
+            holder=session.holder if attached else None,
             resume={"timeout": job.timeout, "started_at": job.started_at, **self._deferred_state()},
         )
         self.log.info("Deferring while the command runs; the triggerer relays its output to this log")
