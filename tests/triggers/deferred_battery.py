@@ -41,6 +41,7 @@ def long_command(seconds: int) -> str:
     """A command of about ``seconds`` seconds: 30 numbered lines on stdout, evenly spaced, and one on stderr."""
     return f'for i in $(seq 1 30); do echo "line $i"; sleep {seconds / 30:.3f}; done; echo done >&2'
 
+
 DAG_FILE = """
 import os
 
@@ -237,9 +238,7 @@ class DeferredBattery:
 
     # -- under dag.test() ----------------------------------------------------------------------------
 
-    def test_a_long_command_deferred_relays_its_lines_in_order(
-        self, backend, migrated_airflow_db, tmp_path, capfd
-    ):
+    def test_a_long_command_deferred_relays_its_lines_in_order(self, backend, migrated_airflow_db, tmp_path, capfd):
         from airflow.sdk import DAG
 
         from dag_runs import run_dag_defined_here
