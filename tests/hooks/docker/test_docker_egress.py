@@ -116,6 +116,15 @@ def test_the_gateway_holds_neither_direction_back_in_memory(make_hook):
     assert rss < 128 << 20, rss
 
 
+def test_the_gateway_parses_within_its_bounds(make_hook):
+    hook = make_hook()
+    egress_servers.assert_gateway_parses_within_bounds(
+        hook,
+        lambda spec: create(hook, spec),
+        lambda handle: os.path.join(egress.docker_gateway_dir(handle), egress.LOG),
+    )
+
+
 def test_root_in_the_container_cannot_stop_or_replace_the_forwarder(make_hook, world):
     hook = make_hook(run_as_root=True)
     handle = create(hook, SandboxSpec(env=tls_env(), allow_egress_to=[LISTED]))

@@ -694,3 +694,106 @@ try:
 except Exception as err:
     print(type(err).__name__)
 """
+
+
+class _Downloads(http.server.BaseHTTPRequestHandler):
+    """``/length/N``: N bytes with a Content-Length; ``/chunked/N``: N bytes in 64 KiB chunks. HTTP/1.1."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # noqa: N802 - the standard library's name
+        kind, size = self.path.strip("/").split("/")
+        self.send_response(200)
+        self.send_header("Connection", "close")
+        block = b"d" * 65536
+        if kind == "length":
+            self.send_header("Content-Length", size)
+            self.end_headers()
+            for at in range(0, int(size), len(block)):
+                self.wfile.write(block[: int(size) - at])
+            return
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for at in range(0, int(size), len(block)):
+            piece = block[: int(size) - at]
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+        self.wfile.write(b"0\r\n\r\n")
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def download_server() -> Iterator[tuple[str, int]]:
+    """A server of plain ``http://`` downloads (:class:`_Downloads`) on a loopback address: ``(address, port)``."""
+    server = http.server.ThreadingHTTPServer((random_loopback(), 0), _Downloads)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[0], server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+#: Runs inside a sandbox: downloads argv[1] through the proxy at 127.0.0.1:3128; prints its size and sha256.
+DOWNLOAD = r"""
+import hashlib, sys, urllib.request
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": "http://127.0.0.1:3128"}))
+digest, size = hashlib.sha256(), 0
+with opener.open(sys.argv[1], timeout=120) as reply:
+    while piece := reply.read(1 << 20):
+        digest.update(piece)
+        size += len(piece)
+print(size, digest.hexdigest())
+"""
+
+#: Runs inside a sandbox: sends the proxy at 127.0.0.1:3128 a request whose header never ends (argv[2] bytes
+#: of it at most) for argv[1]; prints the bytes it could send and the proxy's first line, as JSON.
+ENDLESS_HEAD = r"""
+import json, socket, sys
+sock = socket.create_connection(("127.0.0.1", 3128), timeout=60)
+sent = 0
+try:
+    sock.sendall(b"GET " + sys.argv[1].encode() + b" HTTP/1.1\r\nX-Long: ")
+    while sent < int(sys.argv[2]):
+        sock.sendall(b"a" * 65536)
+        sent += 65536
+except OSError:
+    pass
+try:
+    answer = sock.recv(4096).split(b"\r\n")[0].decode()
+except OSError as err:
+    answer = type(err).__name__
+print(json.dumps({"sent": sent, "answer": answer}))
+"""
+
+
+def assert_gateway_parses_within_bounds(hook, create, log_path) -> None:
+    """
+    Through a sandbox's gateway: a request whose head never ends is cut off within its bound (the
+    sandbox can send what the sockets on the way buffer, not the 64 MiB it tries), and plain ``http://``
+    downloads with a length (64 MiB) and chunked (8 MiB) arrive whole.
+    """
+    import json
+    import shlex
+
+    from sandbox_provider.sandbox import SandboxSpec
+
+    with download_server() as (address, port):
+        handle = create(SandboxSpec(allow_egress_to_cidrs=[f"{address}/32"]))
+        base = f"http://{address}:{port}"
+        head = run(hook, handle, f"python3 -c {shlex.quote(ENDLESS_HEAD)} {base}/length/1 {64 << 20}", timeout=180)
+        got = json.loads(head.stdout)
+        # What the sockets and forwarders on the way buffer (a few MiB) is sent; not the rest.
+        assert got["sent"] < 16 << 20 and got["answer"].upper() in (
+            "HTTP/1.1 400 BAD REQUEST",
+            "",
+            "CONNECTIONRESETERROR",
+        )
+        for kind, size in (("length", 64 << 20), ("chunked", 8 << 20)):
+            fetched = run(hook, handle, f"python3 -c {shlex.quote(DOWNLOAD)} {base}/{kind}/{size}", timeout=300)
+            expected = hashlib.sha256(b"d" * size).hexdigest()
+            assert fetched.stdout.split() == [str(size), expected], (kind, fetched)
+    with open(log_path(handle), encoding="utf-8") as f:
+        assert f"sandbox {handle} egress closed a connection: a message's head passed 65536 bytes" in f.read()

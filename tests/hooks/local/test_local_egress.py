@@ -285,3 +285,14 @@ def test_the_gateways_log_stops_growing_at_its_budget(make_hook, world, monkeypa
     assert 0 < logged.count(refused) < LOG_ATTEMPTS // 4
     assert "the egress log reached its limit of 4096 bytes" in logged
     assert len(logged.encode()) <= 4096 + 2 * 200
+
+
+def test_the_gateway_parses_within_its_bounds(make_hook):
+    """An endless request head is cut off at 64 KiB (proxy.py's own parser held all of it, with work growing as
+    its square: 12 s of the worker's CPU for 32 MiB), and plain downloads pass whole (64 MiB took 37 s)."""
+    hook = make_hook()
+    egress_servers.assert_gateway_parses_within_bounds(
+        hook,
+        lambda spec: hook.create(spec=spec),
+        lambda handle: os.path.join(gateway_dir(hook, handle), egress.LOG),
+    )

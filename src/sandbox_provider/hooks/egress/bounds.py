@@ -30,6 +30,9 @@ sandbox's limits, so it needs bounds of its own:
   bodies and the queues) is held to ``hold_bytes``: past it, the connection that holds the most is
   closed, with a log line. The process's data is capped too (``RLIMIT_DATA``, ``memory_bytes``), in
   case anything else grows.
+- **Parsing.** proxy.py's HTTP parser does work that grows with the square of a message's size;
+  the gateway parses with :mod:`~sandbox_provider.hooks.egress.parsing`'s, linear, with a message's
+  head held to 64 KiB and 128 lines.
 - **Log.** Each attempt is a line of the gateway's log on the worker's disk; :class:`LogBudget` stops
   writing at ``log_bytes`` (one last line says so), so a sandbox cannot fill the worker's disk by
   making attempts.
@@ -51,6 +54,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from sandbox_provider.hooks.egress import parsing
 
 __all__ = ["SPARE_FILES", "Bounds", "LogBudget", "configure", "limit_process"]
 
@@ -110,6 +115,7 @@ def configure(bounds: Bounds) -> None:
 
     acceptor.LocalFdExecutor = __getattr__("FlowExecutor")  # type: ignore[misc]
     acceptor.NonBlockingQueue = __getattr__("WakingQueue")  # type: ignore[misc]
+    parsing.install(bounds.handle)
 
 
 def limit_process(bounds: Bounds) -> None:
@@ -229,7 +235,8 @@ def _queued(connection: Any) -> int:
 def _held(handler: Any) -> int:
     """What a handler holds: its queues, the request being read, a plain HTTP response's body."""
     request = handler.request
-    held = len(request.buffer or b"") + len(request.body or b"") + _queued(handler.work)
+    held = len(getattr(request, "head", None) or b"") + len(request.buffer or b"") + len(request.body or b"")
+    held += _queued(handler.work)
     upstream = getattr(handler.plugin, "upstream", None)
     if upstream is not None:
         held += _queued(upstream)
