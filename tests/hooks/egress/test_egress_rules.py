@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -269,3 +270,79 @@ def test_the_connection_cap_is_checked_where_the_hooks_take_it():
         DockerSandboxHook("c", egress_max_connections=0)
     forward, _ = egress.docker_forward("/run/g", os.getpid(), 8)
     assert f"max-children={8 + egress.FORWARD_SPARE}" in forward[-2]
+
+
+SCOPED_OWN = ["10.1.2.3", "fd00::5"]
+
+
+@pytest.mark.parametrize("host", ["fd00::5", "[fd00::5%1]", "fd00::5%99", "::ffff:10.1.2.3%1", "[fd00::5%lo]"])
+def test_a_scoped_form_of_the_worker_s_own_address_is_its_own_address(host):
+    """A scope makes ``fd00::5%1`` unequal to ``fd00::5`` in Python, not to the kernel, which ignores it there."""
+    decision = decide(EgressPolicy(handle="h", cidrs=("::/0", "0.0.0.0/0")), host, 80, local=lambda: SCOPED_OWN)
+    assert not decision.allowed and "one of the worker's own addresses" in decision.reason
+    only = EgressPolicy(handle="h", cidrs=("fd00::5/128", "10.1.2.3/32"))  # named on purpose: admitted
+    assert decide(only, host, 80, local=lambda: SCOPED_OWN).allowed
+    assert decide(EgressPolicy(handle="h", cidrs=("::/0",)), "fd00::6%1", 80, local=lambda: SCOPED_OWN).allowed
+
+
+#: Runs as root in a network namespace of its own: gives its loopback fd00::5 (an address of "the worker"),
+#: serves on it, starts a gateway with ``::/0`` and asks it for tunnels to that address, scoped and not.
+SCOPED = r"""
+import json, os, socket, subprocess, sys, tempfile, threading, time
+from sandbox_provider.hooks import egress
+from sandbox_provider.hooks.egress.rules import EgressPolicy
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+subprocess.run(["ip", "-6", "addr", "add", "fd00::5/128", "dev", "lo", "nodad"], check=True)
+server = socket.socket(socket.AF_INET6)
+server.bind(("fd00::5", 0))
+server.listen(16)
+port = server.getsockname()[1]
+
+def serve():
+    while True:
+        conn, _ = server.accept()
+        conn.sendall(b"reached the worker\n")
+        conn.close()
+
+threading.Thread(target=serve, daemon=True).start()
+out = {"direct": socket.create_connection(("fd00::5%1", port), timeout=10).recv(100).decode().strip()}
+directory = os.path.join(tempfile.mkdtemp(), "gateway")
+pid = egress.start_gateway(
+    directory, EgressPolicy(handle="scoped", cidrs=("::/0",)), expires_at=time.time() + 120, watch={"dir": directory}
+)
+try:
+    for host in sys.argv[1:]:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(os.path.join(directory, egress.SOCKET))
+        sock.settimeout(10)
+        sock.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\n\r\n".encode())
+        got = b""
+        try:
+            while (piece := sock.recv(4096)) and b"reached" not in got:
+                got += piece
+        except OSError:
+            pass
+        out[host] = got.split(b"\r\n")[0].decode() + (" reached" if b"reached the worker" in got else "")
+finally:
+    os.kill(pid, 15)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("ip")),
+    reason="needs root, unshare and ip to give a network namespace of its own an address",
+)
+def test_a_scoped_form_of_the_worker_s_own_address_is_refused_by_a_real_gateway():
+    import json
+    import subprocess
+    import sys
+
+    hosts = ["[fd00::5]", "[fd00::5%1]", "[fd00::5%99]"]
+    done = subprocess.run(
+        ["unshare", "--net", "--", sys.executable, "-c", SCOPED, *hosts], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert got["direct"] == "reached the worker"  # positive control: the kernel takes the scoped form there
+    assert got == {"direct": "reached the worker", **dict.fromkeys(hosts, "HTTP/1.1 403 Forbidden")}, got

@@ -270,11 +270,19 @@ def guard(address: _Address, local: Iterable[str] = ()) -> tuple[_Network, str] 
     for block, what in GUARDED:
         if judged.version == block.version and judged in block:
             return block, what
+    # By number: a scope (``fd00::5%lo``) makes an address compare unequal, and the kernel ignores it
+    # for any but link-local addresses, so the scoped form reaches the worker's own address all the same.
+    plain = _unscoped(judged)
     for text in local:
         own = _address(text)
-        if own is not None and (carried_ipv4(own) or own) == judged:
-            return ipaddress.ip_network(judged), "one of the worker's own addresses"
+        if own is not None and _unscoped(carried_ipv4(own) or own) == plain:
+            return ipaddress.ip_network(plain), "one of the worker's own addresses"
     return None
+
+
+def _unscoped(address: _Address) -> _Address:
+    """``address`` without a scope (``%lo``)."""
+    return type(address)(int(address))
 
 
 def _guarded_forms() -> list[tuple[_Network, _Network, str]]:
