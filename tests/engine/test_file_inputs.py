@@ -134,12 +134,18 @@ def any_hook(request, tmp_path):
     return counting(DockerSandboxHook(request.getfixturevalue("docker_conn"), pull="never"))
 
 
-@pytest.fixture
-def directory_with_a_leak(tmp_path):
-    """``dir/`` holding a file, a link to it, and ``leak``: a link to a root-only file outside the directory."""
+def _root_only(tmp_path):
+    """A file only the worker's user may read, outside the directory inputs."""
     secret = tmp_path / "root-only.txt"
     secret.write_text("the worker's secret\n")
     secret.chmod(0o600)
+    return secret
+
+
+@pytest.fixture
+def directory_with_a_leak(tmp_path):
+    """``dir/`` holding a file, a link to it, and ``leak``: a link to a root-only file outside the directory."""
+    secret = _root_only(tmp_path)
     folder = tmp_path / "dir"
     (folder / "sub").mkdir(parents=True)
     (folder / "data.csv").write_text("inside\n")
@@ -230,3 +236,65 @@ def test_a_directory_swapped_for_a_link_after_the_walk_is_never_read_through(any
         assert "SECRET" not in inside.stdout
     finally:
         any_hook.destroy(handle)
+
+
+# -- hard links inside a directory input ---------------------------------------------------------------
+
+
+@pytest.fixture
+def directory_with_a_hard_link(tmp_path):
+    """``dir/`` holding ``data.csv`` (twice: ``copy.csv`` is a hard link to it) and ``leak``, a hard link to a
+    root-only file outside the directory."""
+    secret = _root_only(tmp_path)
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    (folder / "data.csv").write_text("inside\n")
+    os.link(folder / "data.csv", folder / "copy.csv")
+    os.link(secret, folder / "leak")
+    return folder, secret
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/setpriv"), reason="needs root and setpriv")
+def test_this_kernel_lets_no_user_hard_link_a_file_they_cannot_read(directory_with_a_hard_link, tmp_path):
+    """What makes a hard link in a directory input harmless where fs.protected_hardlinks is 1 (this machine)."""
+    import subprocess
+
+    from sandbox_provider.engine.transfer import hard_links_protected
+
+    folder, secret = directory_with_a_hard_link
+    if not hard_links_protected():
+        pytest.skip("this worker's kernel does not protect hard links (fs.protected_hardlinks=0)")
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    mine = tmp_path / "nobody's.txt"
+    mine.write_text("x")
+    os.chown(mine, 65534, 65534)
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", "ln"]
+    # Positive control: that user may link a file of its own; not root's.
+    assert subprocess.run([*as_nobody, str(mine), str(shared / "own")], capture_output=True).returncode == 0
+    refused = subprocess.run([*as_nobody, str(secret), str(shared / "leak")], capture_output=True, text=True)
+    assert refused.returncode != 0 and "Operation not permitted" in refused.stderr
+
+
+def test_a_hard_link_out_of_a_directory_input_is_refused_where_the_kernel_does_not_protect_them(
+    any_hook, directory_with_a_hard_link, monkeypatch
+):
+    from sandbox_provider.engine import transfer
+
+    folder, _ = directory_with_a_hard_link
+    # Positive control: the link is the root-only file, and a kernel that protects hard links lets it be staged.
+    monkeypatch.setattr(transfer, "hard_links_protected", lambda: True)
+    with SandboxSession(any_hook, inputs={"in": folder.as_uri() + "/"}) as session:
+        result = session.run("cat in/leak in/copy.csv", timeout=60, max_output_bytes=999)
+    assert result.stdout == "the worker's secret\ninside\n"
+    any_hook.provisioned.clear()
+    monkeypatch.setattr(transfer, "hard_links_protected", lambda: False)
+    with pytest.raises(SandboxTerminalError, match=r"dir/leak has 2 hard links, 1 of them outside the directory"):
+        with SandboxSession(any_hook, inputs={"in": folder.as_uri() + "/"}) as session:
+            session.run("true", timeout=60, max_output_bytes=999)
+    assert any_hook.provisioned == []  # refused before provisioning
+    (folder / "leak").unlink()  # every link of data.csv is inside: staged on such a kernel too
+    with SandboxSession(any_hook, inputs={"in": folder.as_uri() + "/"}) as session:
+        result = session.run("cat in/data.csv in/copy.csv", timeout=60, max_output_bytes=999)
+    assert result.stdout == "inside\ninside\n"

@@ -253,6 +253,7 @@ def _walk_local(top: str, rel: str, path: str, url: str, what: str, entries: lis
     walked = (top, path)
     walked_files = _WalkedFiles(top, url)
     under = "" if path == "" else path if path.endswith("/") else path + "/"
+    linked: dict[tuple[int, int], tuple[int, list[str]]] = {}  # (device, inode) of a file of several links
     levels = [(rel + "/" if rel else "", iter(_listing(os.path.join(top, rel) if rel else top)))]
     while levels:
         lead, items = levels[-1]
@@ -264,14 +265,47 @@ def _walk_local(top: str, rel: str, path: str, url: str, what: str, entries: lis
         if item.is_dir(follow_symlinks=False):
             levels.append((name + "/", iter(_listing(item.path))))
         elif item.is_file(follow_symlinks=False):
-            size = item.stat(follow_symlinks=False).st_size
+            info = item.stat(follow_symlinks=False)
+            if info.st_nlink > 1:
+                linked.setdefault((info.st_dev, info.st_ino), (info.st_nlink, []))[1].append(name)
             opener = functools.partial(walked_files.open, name)
-            entries.append(ImportEntry(under + name, size, opener, item.path, walked))
+            entries.append(ImportEntry(under + name, info.st_size, opener, item.path, walked))
         elif item.is_symlink():
             real = resolve_file_input(item.path, url + name, what, inside=top)
             entries.append(_local_entry(under + name, item.path, real, url + name, what, top))
         else:
             raise SandboxTerminalError(f"{what}: {url + name} is not a regular file; stage regular files only.")
+    if linked and not hard_links_protected():
+        _refuse_links_outside(linked, url, what)
+
+
+def hard_links_protected() -> bool:
+    """
+    Whether this worker's kernel lets a user make a hard link only to a file they own or may read and
+    write (``fs.protected_hardlinks`` is 1, as systemd sets it): then a hard link in a directory input
+    gives the sandbox nothing its maker could not read anyway.
+    """
+    try:
+        with open("/proc/sys/fs/protected_hardlinks", encoding="ascii") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False
+
+
+def _refuse_links_outside(linked: Mapping[tuple[int, int], tuple[int, list[str]]], url: str, what: str) -> None:
+    """
+    :raises SandboxTerminalError: for a file with more hard links than names in the directory (a name
+        outside it), on a worker whose kernel lets anyone link any file they can reach (then a link
+        made by whoever can write the directory could stage a file only the worker may read).
+    """
+    for links, names in linked.values():
+        if len(names) < links:
+            raise SandboxTerminalError(
+                f"{what}: {url + names[0]} has {links} hard links, {links - len(names)} of them outside the "
+                "directory, and this worker's kernel lets a user link files they cannot read "
+                "(fs.protected_hardlinks is 0), so it could be anyone's file. Copy it into the directory, or set "
+                "fs.protected_hardlinks=1 on the worker."
+            )
 
 
 @contextlib.contextmanager
