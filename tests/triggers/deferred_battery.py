@@ -386,30 +386,31 @@ class DeferredBattery:
     @pytest.mark.timeout(REAL_RUN_SECONDS)
     def test_in_a_real_triggerer_the_slot_is_free_and_a_killed_triggerer_resumes_without_loss(self, instance):
         run_id = f"run_{uuid.uuid4().hex[:8]}"
-        command = 'for i in $(seq 1 60); do echo "line $i"; sleep 0.5; done'
-        first = instance.start_triggerer()  # it starts while the worker does
+        command = 'for i in $(seq 1 120); do echo "line $i"; sleep 0.5; done'
         assert instance.run_try(run_id, command) == 0
         # The task process has exited: no worker slot is held while the command runs.
         assert instance.task_state(run_id) == "deferred"
         assert len(self.sandboxes("deferred", run_id)) == 1
+        first = instance.start_triggerer()
         instance.wait_lines(10)
         instance.kill_triggerer(first)
+        assert len(instance.trigger_lines()) < 120, "the command ended before the triggerer was killed"
         time.sleep(3)  # the command prints on while no triggerer watches
         instance.start_triggerer()
         instance.wait_state(run_id, {"scheduled", "queued"})
         assert instance.run_try(run_id, command) == 0
         assert instance.task_state(run_id) == "success"
-        assert instance.trigger_lines() == [f"line {i}" for i in range(1, 61)]
+        assert instance.trigger_lines() == [f"line {i}" for i in range(1, 121)]
         assert self.sandboxes("deferred", run_id) == []
 
     @pytest.mark.timeout(REAL_RUN_SECONDS)
     def test_a_deferred_task_marked_failed_leaves_nothing(self, instance):
         run_id = f"run_{uuid.uuid4().hex[:8]}"
         command = 'for i in $(seq 1 300); do echo "line $i"; sleep 1; done'
-        instance.start_triggerer()
         assert instance.run_try(run_id, command) == 0
         assert instance.task_state(run_id) == "deferred"
         assert len(self.sandboxes("deferred", run_id)) == 1
+        instance.start_triggerer()
         instance.wait_lines(3)
         instance.mark_failed(run_id)
         deadline = time.monotonic() + PATIENCE
@@ -417,6 +418,8 @@ class DeferredBattery:
             time.sleep(1)
         assert self.sandboxes("deferred", run_id) == [], instance.log_text()[-3000:]
         assert instance.task_state(run_id) == "failed"
+        # The trigger ended it: on_kill (Airflow 3.3), or cleanup seeing the task no longer deferred (3.2).
+        assert re.search(r"Destroyed sandbox \S+: the task (was marked failed|is failed)", instance.log_text())
 
 
 def _open_folder(path: Path) -> Path:
