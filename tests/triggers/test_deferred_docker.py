@@ -20,6 +20,7 @@ def _engine():
 
 class TestDeferredDocker(DeferredBattery):
     long_seconds = 60
+    every_case = True
     backend_code = f"""
     from sandbox_provider.hooks.docker import DockerSandboxHook
 
