@@ -388,7 +388,6 @@ class SandboxOperator(BaseOperator):
         for record in session.export_records:
             self.log.info("Exported %s to %s (%d bytes)", record.path, record.url, record.size_bytes)
         emit_asset_events(context, self._assets, session.export_records, backend=session.hook.name, handle=handle)
-        emit_asset_events(context, self._assets, session.export_records, backend=session.hook.name, handle=handle)
         if self.keep_sandbox is True:
             self.log.info("Sandbox %s stays up for later tasks; attach with its handle", self._kept_handle)
         return self._xcom(session, result, collected)
