@@ -205,3 +205,47 @@ def test_a_link_planted_at_the_partial_name_is_removed_not_written_through(tmp_p
     assert (victim / "f").read_text() == "root's own\n" and sorted(os.listdir(victim)) == ["f"]
     assert (tmp_path / name / "f" if directory else tmp_path / name).read_text() == "new\n"
     assert not os.path.lexists(planted)
+
+
+def test_a_file_exported_onto_a_link_to_a_directory_replaces_the_link(hook, tmp_path):
+    """
+    ``out.csv -> victim/`` planted where a file export goes: the file lands at ``out.csv`` (the link
+    replaced), never inside ``victim`` (where a move by path, the store's ``mv``, put it).
+    """
+    handle = hook.create()
+    try:
+        hook.run_command(handle, "echo from-the-sandbox > f", timeout=30, max_output_bytes=9)
+        victim = tmp_path / "victim"
+        victim.mkdir()
+        # Positive control: the store's move of a file onto that link lands inside the victim.
+        (tmp_path / "control.csv").symlink_to(victim)
+        (tmp_path / "moved").write_text("x")
+        local = ObjectStoragePath((tmp_path / "moved").as_uri())
+        local.fs.mv(local.path, str(tmp_path / "control.csv"))
+        assert os.listdir(victim) == ["moved"]
+        (victim / "moved").unlink()
+        (tmp_path / "out.csv").symlink_to(victim)
+        records = export_files(hook, handle, {"f": (tmp_path / "out.csv").as_uri()})
+        assert records[0].size_bytes == len("from-the-sandbox\n")
+        assert not (tmp_path / "out.csv").is_symlink()
+        assert (tmp_path / "out.csv").read_text() == "from-the-sandbox\n" and os.listdir(victim) == []
+    finally:
+        hook.destroy(handle)
+
+
+def test_a_directory_made_where_a_file_export_goes_after_it_was_planned_is_refused(tmp_path):
+    """The plan refuses a directory at a file's destination; one made since is refused by the check before any
+    file of the batch moves, and the rename refuses it too (the store's move put the file inside it)."""
+    partial = tmp_path / "out.csv.airflow-000000000000-1.partial"
+    partial.write_text("new\n")
+    target = tmp_path / "out.csv"
+    entry = publishing.Staged(
+        "f", target.as_uri(), ObjectStoragePath(target.as_uri()), ObjectStoragePath(partial.as_uri()), False, {"": 4}
+    )
+    publishing.check(entry)  # nothing there yet
+    target.mkdir()  # made since
+    with pytest.raises(SandboxTerminalError, match=r"a directory is there, and a file export writes a file"):
+        publishing.check(entry)
+    with pytest.raises(IsADirectoryError):
+        publishing.publish(entry)
+    assert os.listdir(target) == [] and partial.read_text() == "new\n"

@@ -3,7 +3,8 @@ Where an export batch's files go: ``.partial`` copies beside each destination, p
 every copy succeeded, removed when any failed.
 
 A file export goes to ``<name>.airflow-<key>-<try>.partial`` beside its destination and is moved
-over it (a rename on local storage). A directory export (a tree, a glob's matches) goes into a
+over it (on local storage a rename, which replaces a link at the destination's name rather than
+follow it; a directory there is refused). A directory export (a tree, a glob's matches) goes into a
 ``.partial`` directory named the same way beside the destination directory; when all copies
 succeeded:
 
@@ -213,6 +214,9 @@ def check(entry: Staged) -> None:
 
     :raises SandboxTerminalError: naming the link (or directory) and what to change.
     """
+    if not entry.directory and is_local(entry.target):
+        _check_file_target(entry)
+        return
     target = _moves_into(entry)
     if target is None:
         return
@@ -229,6 +233,19 @@ def check(entry: Staged) -> None:
         raise _refusal(entry, target, err) from err
     finally:
         os.close(root)
+
+
+def _check_file_target(entry: Staged) -> None:
+    """Refuse a local file export whose destination is a directory (a link there is replaced, not followed)."""
+    try:
+        mode = os.lstat(entry.target.path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        raise SandboxTerminalError(
+            f"Cannot export {entry.path!r} into {entry.url}: a directory is there, and a file export writes a file "
+            "of that name. End the URL with '/' to export into the directory, or name a file."
+        )
 
 
 def _check_name(directory: int, name: str, relative: str) -> None:
@@ -259,7 +276,12 @@ def _move(source: ObjectStoragePath, target: ObjectStoragePath) -> None:
 def publish(entry: Staged) -> None:
     """Move ``entry``'s partial copy (file or directory) into place; see the module (:func:`check` it first)."""
     if not entry.directory:
-        _move(entry.partial, entry.target)
+        if is_local(entry.target):
+            # rename(2) replaces whatever has the name, a link included, and never follows it; the
+            # store's move (shutil.move) put the file inside the directory a link there led to.
+            os.replace(entry.partial.path, entry.target.path)
+        else:
+            _move(entry.partial, entry.target)
         return
     if not is_local(entry.target):
         for name in entry.files:
