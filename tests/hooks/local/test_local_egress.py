@@ -296,3 +296,36 @@ def test_the_gateway_parses_within_its_bounds(make_hook):
         lambda spec: hook.create(spec=spec),
         lambda handle: os.path.join(gateway_dir(hook, handle), egress.LOG),
     )
+
+
+FORGE = r"""
+import socket, sys
+sock = socket.create_connection(("127.0.0.1", 3128), timeout=30)
+sock.sendall(b"CONNECT evil\n" + sys.argv[1].encode() + b"\x1b[2J:443 HTTP/1.1\r\n\r\n")
+print(sock.recv(4096).split(b"\r\n")[0].decode())
+"""
+
+
+def test_a_name_the_sandbox_asks_for_cannot_forge_lines_of_the_logs(make_hook, tmp_path, caplog):
+    import logging
+
+    hook = make_hook()
+    handle = hook.create(spec=SandboxSpec(allow_egress_to_cidrs=["127.0.0.9/32"]))
+    # A request line is split at spaces, so the forged line has tabs, which look the same in a log.
+    forged = f"sandbox\t{handle}\tegress\tallowed\tCONNECT\tpypi.org\tlisted\thost"
+    # Positive control: the handler as it was (a plain file handler) writes the forged text as a line of its own.
+    plain = logging.FileHandler(tmp_path / "plain.log")
+    plain.emit(logging.LogRecord("egress", logging.INFO, "", 0, "refused CONNECT %s", (f"evil\n{forged}",), None))
+    plain.close()
+    assert forged in (tmp_path / "plain.log").read_text().splitlines()
+    caplog.set_level(logging.INFO)
+    asked = run(hook, handle, f"python3 -c {shlex.quote(FORGE)} {shlex.quote(forged)}")
+    assert asked.stdout.startswith("HTTP/1.1 403"), asked
+    with open(os.path.join(gateway_dir(hook, handle), egress.LOG), encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    attempt = [line for line in lines if "egress refused CONNECT evil" in line]
+    shown = forged.replace("\t", "\\x09")
+    assert len(attempt) == 1 and f"evil\\x0a{shown}\\x1b[2J:443" in attempt[0], lines
+    assert not [line for line in lines if "egress allowed" in line]
+    relayed = [record.getMessage() for record in caplog.records if "egress" in record.getMessage()]
+    assert attempt[0] in relayed and not [m for m in relayed if "\n" in m or "\x1b" in m or "\t" in m]

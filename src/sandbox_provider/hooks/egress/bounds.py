@@ -125,18 +125,29 @@ def limit_process(bounds: Bounds) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (files, files))
 
 
+#: C0 controls, DEL and C1 controls, each to its ``\xNN`` escape.
+_CONTROLS = {code: f"\\x{code:02x}" for code in (*range(0x20), *range(0x7F, 0xA0))}
+
+
 class LogBudget(logging.FileHandler):
     """
     A log file that stops growing at ``max_bytes``: a line that would take it past is left out, and
     the first one left out is replaced by a line saying the limit was reached. The size is read from
     the open file, which the gateway's acceptor (a fork) shares, so both processes keep one budget
     (each may write its own closing line: the file ends at most two such lines past ``max_bytes``).
+
+    Each record is one line: control characters (a line end, a terminal escape) in it, which a
+    sandbox can put in the names it asks for, are written as ``\\xNN``, so it cannot forge lines
+    of the log (or of the task log, which gets its lines) nor drive the terminal of who reads it.
     """
 
     def __init__(self, path: str, max_bytes: int) -> None:
         super().__init__(path, mode="a", encoding="utf-8")
         self.max_bytes = max_bytes
         self._closed_out = False
+
+    def format(self, record: logging.LogRecord) -> str:
+        return super().format(record).translate(_CONTROLS)
 
     def emit(self, record: logging.LogRecord) -> None:
         if self._closed_out:
