@@ -428,3 +428,39 @@ def test_a_bubblewrap_without_bind_fd_exports_through_the_worker(hook, sandbox, 
     monkeypatch.setattr(_local_files, "prepare_in_place", lambda *args: pytest.fail("no directory is bound"))
     records = export_files(hook, sandbox, {"d": f"file://{tmp_path}/out/"})
     assert records[0].size_bytes == 2 and (tmp_path / "out" / "a").read_text() == "a\n"
+
+
+def test_the_descriptor_an_export_directory_is_mounted_by_does_not_reach_the_sandbox(hook, sandbox, tmp_path):
+    """A directory descriptor of the worker's inside the sandbox would lead out of it (``/proc/self/fd/N/..``)."""
+    import subprocess
+
+    from sandbox_provider.sandbox.hook import OutputSink
+
+    (tmp_path / "beside").write_text("the worker's\n")
+    look = "ls /proc/self/fd/{fd}/.. 2>&1; for f in /proc/[0-9]*/fd/*; do readlink $f; done 2>/dev/null; true"
+    # Positive control: a descriptor handed down that bubblewrap does not take leads out to the files beside it.
+    opened = tmp_path / "opened"
+    opened.mkdir()
+    control = os.open(opened, os.O_RDONLY | os.O_DIRECTORY)
+    plain = ["bwrap", "--unshare-user", "--unshare-pid", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin"]
+    plain += ["--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev"]
+    try:
+        leaked = subprocess.run(
+            [*plain, "--", "sh", "-c", look.format(fd=control)], pass_fds=[control], capture_output=True, text=True
+        )
+    finally:
+        os.close(control)
+    assert "beside" in leaked.stdout, leaked
+    partial = tmp_path / "x.partial"
+    partial.mkdir(mode=0o700)
+    if os.geteuid() == 0:
+        os.chown(partial, hook.uid_of(sandbox), hook.uid_of(sandbox))
+    fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        sink = OutputSink(65536, None)
+        argv = ["/bin/sh", "-c", look.format(fd=fd)]
+        outcome = hook._exec(sandbox, argv, timeout=60, output=sink, binds=[(fd, "/.airflow-export/0")])
+    finally:
+        os.close(fd)
+    assert outcome.exit_code == 0
+    assert "beside" not in sink.out.text() and str(tmp_path) not in sink.out.text(), sink.out.text()
