@@ -367,3 +367,50 @@ def test_the_sandbox_expires_on_time_across_the_restart(opensandbox_server, open
     assert _gone(opensandbox_server, handle, seconds=remaining + 30)
     with pytest.raises(SandboxTerminalError):
         OpenSandboxHook(opensandbox_conn).run_command(handle, "true", timeout=30, max_output_bytes=4096)
+
+
+#: Runs in the background in a sandbox whose TMPDIR is /workspace (so the daemon spools there): for each new
+#: output file it sees, it makes the file of that name in /tmp, where the hook reads a command's exact output.
+SPOOL_FORGER = r"""
+import os, time
+seen, end = set(os.listdir("/workspace")), time.time() + 120
+while time.time() < end:
+    for name in set(os.listdir("/workspace")) - seen:
+        seen.add(name)
+        if name.endswith(".stdout"):
+            try:
+                with open("/tmp/" + name, "w") as f:
+                    f.write("FORGED-OUTPUT\n")
+                open("/tmp/" + name[: -len(".stdout")] + ".stderr", "w").close()
+            except OSError:
+                pass
+    time.sleep(0.005)
+"""
+
+
+def test_output_files_a_command_made_are_not_taken_for_the_daemons(opensandbox_conn, monkeypatch):
+    from sandbox_provider.hooks.opensandbox import hook as opensandbox_hook
+
+    hook = OpenSandboxHook(opensandbox_conn)
+    handle = hook.create(spec=SandboxSpec(block_network=False, env={**FAST, "TMPDIR": "/workspace"}))
+    try:
+        hook.write_file(handle, "forger.py", SPOOL_FORGER.encode())
+        started = hook.run_command(
+            handle, "nohup python3 forger.py >/dev/null 2>&1 & sleep 1", timeout=30, max_output_bytes=99
+        )
+        assert started.ok, started
+
+        def later():  # the next task, attached from another worker
+            return OpenSandboxHook(opensandbox_conn).run_command(
+                handle, "sleep 0.5; echo REAL; exit 3", timeout=30, max_output_bytes=4096
+            )
+
+        # Positive control: taking whatever file is at the name, the next task gets the forger's output.
+        with monkeypatch.context() as trusting:
+            trusting.setattr(opensandbox_hook, "_daemons_file", lambda info: info is not None)
+            forged = later()
+        assert (forged.exit_code, forged.stdout) == (3, "FORGED-OUTPUT\n")
+        real = later()
+        assert (real.exit_code, real.stdout) == (3, "REAL\n")
+    finally:
+        hook.destroy(handle)

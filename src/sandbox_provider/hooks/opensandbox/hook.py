@@ -26,8 +26,8 @@ How the pieces map onto the server:
   clock alone runs late), an earlier one a signal, reported as ``128 + n``. Output streams one line per
   event without what ended the line (an empty line comes as ``"\n"``); each is passed on live ended
   by a newline. The result then takes the exact bytes from the files execd spooled the output to
-  (``/tmp/<execution id>.stdout`` and ``.stderr``), which are removed; where there are none, the
-  streamed lines stand. There is no stdin.
+  (``/tmp/<execution id>.stdout`` and ``.stderr``), which are removed; where there are none, or one
+  is not a regular file of root's (the daemon's), the streamed lines stand. There is no stdin.
 - **Files** are native: a size check then a ranged download (never more than ``max_bytes`` + 1 bytes),
   streamed multipart uploads, directory listings.
 """
@@ -444,6 +444,15 @@ class OpenSandboxHook(Attachable, SandboxHook):
         except Exception as err:
             log.debug("No output files of execution %s in sandbox %s: %s", execution_id, handle, err)
             return
+        if not all(_daemons_file(infos.get(path)) for path in paths.values()):
+            log.warning(
+                "Kept the streamed output of execution %s in sandbox %s: a file at %s is not one the daemon made "
+                "(a command's own process can make files there)",
+                execution_id,
+                handle,
+                " or ".join(paths.values()),
+            )
+            return
         try:
             for stream, path in paths.items():
                 size = int(infos[path].size)
@@ -635,6 +644,19 @@ class OpenSandboxHook(Attachable, SandboxHook):
 
     def _check_connection(self) -> str:
         return f"{super()._check_connection()} The server: {self._where}."
+
+
+def _daemons_file(info: Any) -> bool:
+    """
+    Whether ``info`` (execd's file info) is a file owned by root, as the daemon's spool files are:
+    one the command user made at that name (knowing the execution id from its own files, say, when
+    ``TMPDIR`` sends the daemon's spool elsewhere) would hand the next task forged output.
+    """
+    return (
+        info is not None
+        and getattr(info, "owner", None) == "root"
+        and getattr(info, "entry_type", None) in (None, "file")  # a link the command user made is its own
+    )
 
 
 #: The hook under the name the public guide uses.
