@@ -48,6 +48,8 @@ class FakeSandboxHook(ShellFiles, Attachable, SandboxHook):
         self.env: dict[str, dict[str, str]] = {}
         self.calls: list[tuple[str, str]] = []
         self._lock = threading.Lock()
+        #: The process group of the command running in each sandbox, which a destroy ends (as a real backend's does).
+        self._running: dict[str, int] = {}
 
     def _lifetime_seconds(self) -> float:
         return self.sandbox_timeout
@@ -84,11 +86,13 @@ class FakeSandboxHook(ShellFiles, Attachable, SandboxHook):
         ]
         for reader in readers:
             reader.start()
+        self._running[handle] = proc.pid
         timed_out = False
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
+        self._running.pop(handle, None)
         _kill(proc.pid)
         proc.wait()
         for reader in readers:
@@ -100,6 +104,9 @@ class FakeSandboxHook(ShellFiles, Attachable, SandboxHook):
         self.calls.append(("destroy", handle))
         self.stamps.pop(handle, None)
         shutil.rmtree(os.path.join(self.root, handle), ignore_errors=True)
+        running = self._running.pop(handle, None)
+        if running is not None:
+            _kill(running)
 
     def read_tags(self, handle: str) -> Mapping[str, str]:
         self._dir(handle)

@@ -6,6 +6,9 @@ and SIGKILL the supervisor (this process) or the task process (its child) to see
 
     python tests/task_process.py DAG_FILE DAG_ID TASK_ID RUN_ID TRY_NUMBER LOG_PATH
 
+With ``TASK_PROCESS_WORKER_LOG=<file>`` this process stays as the worker that started the supervisor
+(its standard error goes to that file) and the supervisor is its child (see :func:`as_worker`).
+
 ``AIRFLOW_HOME`` must hold a migrated database and ``AIRFLOW__CORE__DAGS_FOLDER`` the Dag file's
 folder. ``LOG_PATH`` is relative to ``[logging] base_log_folder``. The exit status is the task's: 0
 when it succeeded. The task process's pid is written to ``LOG_PATH`` + ``.pid`` once it has started.
@@ -108,5 +111,23 @@ def main(argv: list[str]) -> int:
     )
 
 
+def as_worker(log: str) -> None:
+    """
+    Stay behind as the worker that started the supervisor, as a LocalExecutor's scheduler or a Celery
+    worker does: fork; the child goes on to supervise; this process writes its standard error to ``log``,
+    waits for the child and exits with its status. The supervisor's pid goes to ``log`` + ``.supervisor``.
+    """
+    child = os.fork()
+    if child == 0:
+        return
+    Path(log + ".supervisor").write_text(str(child))
+    with open(log, "ab", buffering=0) as err:
+        os.dup2(err.fileno(), 2)
+    _, status = os.waitpid(child, 0)
+    os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+
+
 if __name__ == "__main__":
+    if os.environ.get("TASK_PROCESS_WORKER_LOG"):
+        as_worker(os.environ["TASK_PROCESS_WORKER_LOG"])
     sys.exit(main(sys.argv[1:]))

@@ -111,10 +111,15 @@ def instance(tmp_path_factory):
 class Try:
     """One try of ``kills.t``, started in its own supervisor process."""
 
-    def __init__(self, instance, run_id: str, try_number: int, **env: str):
+    def __init__(self, instance, run_id: str, try_number: int, *, as_worker: bool = False, **env: str):
         root, base = instance
         self.log = root / "logs" / run_id / f"{try_number}.log"
         self.pid_file = Path(str(self.log) + ".pid")
+        #: With ``as_worker``: the standard error of the worker process the supervisor runs under.
+        self.worker_log = root / f"{run_id}-{try_number}.worker.log"
+        if as_worker:
+            env = {**env, "TASK_PROCESS_WORKER_LOG": str(self.worker_log)}
+        self._env = env
         self.supervisor = subprocess.Popen(
             [sys.executable, str(HARNESS), str(root / "dags" / "kills.py"), "kills", "t", run_id, str(try_number)]
             + [os.path.relpath(self.log, root / "logs")],
@@ -134,6 +139,18 @@ class Try:
                 continue
         return found
 
+    def failure(self) -> list[str]:
+        """The messages of the exception the task failed with, its causes included, as its log records them."""
+        found = []
+        for line in self.log.read_text(errors="replace").splitlines() if self.log.exists() else []:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("event") == "Task failed with exception":
+                found += [str(detail.get("exc_value")) for detail in record.get("error_detail") or []]
+        return found
+
     def wait_for(self, pattern: str) -> re.Match:
         deadline = time.monotonic() + PATIENCE
         while time.monotonic() < deadline:
@@ -145,6 +162,14 @@ class Try:
                 break
             time.sleep(0.1)
         pytest.fail(f"{pattern!r} never reached the log; it holds {self.events()!r}; output: {self.output()}")
+
+    def supervisor_pid(self) -> int:
+        """The supervisor's pid: the harness itself, or its child when it stays as the worker."""
+        marker = Path(str(self.worker_log) + ".supervisor")
+        deadline = time.monotonic() + PATIENCE
+        while "TASK_PROCESS_WORKER_LOG" in self._env and not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return int(marker.read_text()) if marker.exists() else self.supervisor.pid
 
     def task_pid(self) -> int:
         deadline = time.monotonic() + PATIENCE
@@ -240,6 +265,10 @@ def test_output_reaches_the_log_while_the_command_runs_and_stays_when_killed(ins
     events = first.events()
     assert "[stdout] line 1" in events
     assert any(re.match(r"Task killed: destroyed sandbox airflow-sandbox-", e) for e in events), events
+    # The failure names the stop, and nothing in it (causes included) blames the image or the sandbox's keeper.
+    failure = first.failure()
+    assert failure and "the task was stopped while it ran" in failure[0], failure
+    assert not any("image" in message or "keeper" in message for message in failure), failure
 
 
 # -- retries after a killed worker ---------------------------------------------------------------------------
@@ -249,7 +278,7 @@ def test_output_reaches_the_log_while_the_command_runs_and_stays_when_killed(ins
 def test_the_next_try_ends_what_a_killed_try_left(instance, backend, victim, request):
     env, still_there = backend
     run = f"kill-{request.node.callspec.id}".replace(" ", "-")
-    first = Try(instance, run, 1, TEST_COMMAND="echo started; sleep 600", **env)
+    first = Try(instance, run, 1, TEST_COMMAND="echo started; sleep 600", as_worker=victim == "supervisor", **env)
     handle = first.wait_for(r"^Provisioned sandbox (airflow-sandbox-[0-9a-f]+)").group(1)
     first.wait_for(r"^\[stdout\] started$")
     task_pid = first.task_pid()
@@ -258,12 +287,16 @@ def test_the_next_try_ends_what_a_killed_try_left(instance, backend, victim, req
         os.kill(task_pid, signal.SIGKILL)
         first.finish()
     else:
-        os.kill(first.supervisor.pid, signal.SIGKILL)
+        os.kill(first.supervisor_pid(), signal.SIGKILL)
         first.finish()
         # The orphaned task process notices its supervisor is gone, ends the sandbox and exits: it
         # does not run on beside the next try until the command's own timeout.
         wait_gone(task_pid)
         assert not still_there(handle), f"sandbox {handle} outlived its task process"
+        # The task log's relay died with the supervisor: the worker that started it heard why, in its own log.
+        said = first.worker_log.read_text(errors="replace")
+        assert f"The supervisor (pid {first.supervisor_pid()}) of task kills/{run}/t exited" in said, said
+        assert f"sandbox {handle}" in said and "the sandbox is destroyed" in said, said
     second = Try(instance, run, 2, TEST_COMMAND="echo second", **env)
     second.wait_for(r"^\[stdout\] second$")
     assert not still_there(handle), f"try 1's sandbox {handle} still runs beside try 2"

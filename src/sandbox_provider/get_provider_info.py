@@ -73,7 +73,7 @@ def get_provider_info() -> dict[str, Any]:
                 "connection-type": form.conn_type,
                 "hook-class-name": path,
                 "hook-name": form.hook_name,
-                "conn-fields": form.settings.form_fields(),
+                "conn-fields": form.form_fields(),
                 "ui-field-behaviour": ui_field_behaviour(form.ui_behaviour),
             }
             for path, form in connection_forms()

@@ -201,6 +201,62 @@ class SandboxContract:
         with pytest.raises(SandboxTerminalError):
             self.sh(hook, handle, "true")
 
+    def test_a_task_stopped_mid_command_fails_saying_it_was_stopped(self, hook):
+        """
+        Airflow stops a running task (marked failed or cleared in the UI) with SIGTERM, whose handler
+        calls the operator's ``on_kill`` on the task's main thread, in the middle of whatever it waits
+        for: here, the command's output. The failure the task then reports names the stop, not a
+        broken image or a vanished sandbox, and the sandbox is gone.
+        """
+        import os
+        import signal
+        import threading
+        import time
+        from unittest import mock
+
+        from sandbox_provider.operators.sandbox import SandboxOperator
+
+        op = SandboxOperator(
+            task_id="stopped", backend=hook, command="echo started; sleep 600", spec=self.base_spec, timeout=600
+        )
+        seen: dict[str, str | None] = {}
+
+        def stop_once_started() -> None:
+            # Once the command runs: its first line streamed, or (on a backend that returns output only at
+            # the end) three seconds into the run.
+            running_since = None
+            for _ in range(6000):
+                live = getattr(op, "_live", None)
+                session = op._session
+                if live is not None and session is not None and session.handle:
+                    running_since = running_since or time.monotonic()
+                    if live.seen["stdout"][0] >= 1 or time.monotonic() - running_since >= 3:
+                        seen["handle"] = session.handle
+                        os.kill(os.getpid(), signal.SIGTERM)
+                        return
+                threading.Event().wait(0.05)
+
+        context = {"ti": mock.MagicMock(dag_id="d", run_id="r", task_id="stopped", map_index=-1, try_number=1)}
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: op.on_kill())  # as Airflow's task runner does
+        watcher = threading.Thread(target=stop_once_started, daemon=True)
+        watcher.start()
+        try:
+            with pytest.raises(Exception) as failure:
+                op.execute(context)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            watcher.join(5)
+        message = str(failure.value)
+        assert seen.get("handle"), "the command never started"  # the stop came mid-command
+        assert "the task was stopped while it ran" in message and "on_kill destroyed the sandbox" in message, message
+        assert "image" not in message and "keeper" not in message, message
+        with pytest.raises(SandboxTerminalError, match="this worker destroyed it because the task was stopped"):
+            self.sh(hook, seen["handle"], "true")
+        # Not only this hook's record: asked again without it, the backend itself finds no such sandbox.
+        hook._destroyed_because.pop(seen["handle"])
+        with pytest.raises(SandboxError):
+            self.sh(hook, seen["handle"], "true")
+
     def test_bad_handles_are_refused_before_any_call(self, hook):
         for bad in ("", "None", "../../etc", "a b", "x/../y"):
             with pytest.raises(SandboxHandleError):

@@ -301,6 +301,9 @@ class _SandboxDecoratedOperator(DecoratedOperator, SandboxOperator):
     def _restore_deferred_state(self, state: Mapping[str, Any]) -> None:
         self._call_dir = state.get("call_dir")
 
+    def _what_ran(self, command: str | None) -> str:
+        return f"{self.python_callable.__name__}() in the sandbox's {self.python}"
+
     def _result_path(self) -> str:
         return f"{self._call_dir}/result.json"
 

@@ -5,7 +5,8 @@ The session engine every consumer shares: :class:`SandboxSession` owns one sandb
 Beside it: ``options`` (what a consumer asks of a session, checked at parse time and after rendering),
 ``transfer`` (staging and exports, all or nothing), ``storage`` and ``publish`` (where exported files go,
 through ``.partial`` siblings), ``watch`` (a session ends with the worker that started it) and
-``output`` (what a reader is shown of a command's output). The engine drives hooks through the contract
+``output`` (what a reader is shown of a command's output) and ``task_log`` (what of it reaches a task
+log, without slowing the command). The engine drives hooks through the contract
 in :mod:`sandbox_provider.sandbox` and imports no backend and no consumer.
 """
 

@@ -1,23 +1,20 @@
 """
 The consumer half of output handling: what a reader is shown of a command's output, the same for
 every consumer and backend. Streams are masked with Airflow's secret masker before anything is cut;
-tails say exactly what they leave out; :class:`LineLog` writes output to a task log as it arrives.
-The bounded buffers a backend fills are in :mod:`sandbox_provider.sandbox.output`.
+tails say exactly what they leave out. What reaches a task log, and how, is
+:mod:`sandbox_provider.engine.task_log`; the bounded buffers a backend fills are in
+:mod:`sandbox_provider.sandbox.output`.
 """
 
 from __future__ import annotations
 
-import codecs
 import signal
-import threading
-from typing import Any
 
 from sandbox_provider.sandbox.output import format_size
 from sandbox_provider.sandbox.spec import SandboxExecResult, StreamTotals
 
 __all__ = [
     "MASK_MARGIN_BYTES",
-    "LineLog",
     "command_output",
     "drop_head_bytes",
     "file_window",
@@ -29,68 +26,6 @@ __all__ = [
     "stream_tail",
     "tail_text",
 ]
-
-
-class LineLog:
-    """
-    An ``on_output`` callback for :meth:`~sandbox_provider.sandbox.hook.SandboxHook.run_command` that
-    writes a command's output to ``logger`` line by line, as it arrives: for live task logs.
-
-    Each stream is decoded as UTF-8 as it comes (a character split between pieces stays whole; bad
-    bytes become U+FFFD), held only until its line ends, masked with Airflow's secret masker, and
-    logged at INFO as ``[stdout] <line>`` or ``[stderr] <line>``. A line longer than
-    ``max_line_chars`` is logged in pieces of that size, each after the first marked ``[stdout+]``,
-    so memory stays bounded whatever a command prints. Safe to call from several reader threads.
-
-    :param logger: where the lines go: the task's ``self.log``, or any logger with ``info(message, *args)``.
-    :param max_line_chars: the longest piece of a line held and logged at once, in characters.
-    """
-
-    def __init__(self, logger: Any, *, max_line_chars: int = 16 * 1024) -> None:
-        self._log = logger
-        self._max = max(1, int(max_line_chars))
-        self._lock = threading.Lock()
-        self._decoders = {s: codecs.getincrementaldecoder("utf-8")("replace") for s in ("stdout", "stderr")}
-        self._held = {"stdout": "", "stderr": ""}
-        self._continued = {"stdout": False, "stderr": False}
-
-    def __call__(self, stream: str, data: bytes) -> None:
-        if stream not in self._held:
-            return
-        with self._lock:
-            text = self._held[stream] + self._decoders[stream].decode(data)
-            *lines, rest = text.split("\n")
-            for line in lines:
-                self._emit(stream, line.removesuffix("\r"))
-                self._continued[stream] = False
-            while len(rest) > self._max:
-                self._emit(stream, rest[: self._max])
-                self._continued[stream] = True
-                rest = rest[self._max :]
-            self._held[stream] = rest
-
-    def flush(self) -> None:
-        """
-        Log what is held of a last line that never ended (the command ended, or the task is killed).
-
-        From a signal handler (``on_kill``) that interrupted this very object's writer on the same
-        thread, the lock is never free: after a second it gives up, and only that partial line is lost.
-        """
-        if not self._lock.acquire(timeout=1.0):
-            return
-        try:
-            for stream, decoder in self._decoders.items():
-                rest = self._held[stream] + decoder.decode(b"", final=True)
-                self._held[stream] = ""
-                if rest:
-                    self._emit(stream, rest.removesuffix("\r"))
-                self._continued[stream] = False
-        finally:
-            self._lock.release()
-
-    def _emit(self, stream: str, line: str) -> None:
-        mark = f"[{stream}+]" if self._continued[stream] else f"[{stream}]"
-        self._log.info("%s %s", mark, mask_text(line))
 
 
 def tail_text(text: str, max_chars: int) -> str:

@@ -33,6 +33,7 @@ from sandbox_provider.sandbox.batch import ImportEntry
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 from sandbox_provider.sandbox.hook import OutputCallback, SandboxHook, check_command
 from sandbox_provider.sandbox.jobs import DetachedJob
+from sandbox_provider.sandbox.output import format_time
 from sandbox_provider.sandbox.spec import (
     DAG_ID_TAG,
     MAP_INDEX_TAG,
@@ -42,6 +43,7 @@ from sandbox_provider.sandbox.spec import (
     TRY_NUMBER_TAG,
     AttachedSandbox,
     SandboxExecResult,
+    SandboxSpec,
     check_byte_count,
     check_positive,
     dag_run_owner,
@@ -147,6 +149,7 @@ class SandboxSession:
         self._expires_at: float | None = None
         self._ended = False
         self._closed = False
+        self._closed_because: str | None = None
         self._storage_checked = False
         self._pending: list[ImportEntry] = []
         self._watch: SupervisorWatch | None = None
@@ -267,8 +270,16 @@ class SandboxSession:
                 # Closed while provisioning (on_kill runs in the thread it interrupts): tear down
                 # what was just made, and let nothing run in it.
                 self._handle = None
-                self._teardown(handle)
-                raise SandboxTerminalError(f"The session was closed while sandbox {handle} was being provisioned.")
+                because = self._closed_because
+                self._teardown(handle, because)
+                raise SandboxTerminalError(
+                    f"The session was closed while sandbox {handle} was being provisioned"
+                    + (
+                        f", because {because}; the sandbox was destroyed."
+                        if because
+                        else "; the sandbox was destroyed."
+                    )
+                )
             self._watch_supervisor()
             if not defer:
                 self._stage_pending(handle)
@@ -335,15 +346,17 @@ class SandboxSession:
 
     def _log_provisioned(self, handle: str) -> None:
         expires = self.hook._known_expiry.get(handle)
-        if expires is None:
-            log.info("Provisioned sandbox %s on backend %s", handle, self.hook.name)
-            return
+        lifetime = (
+            f"; its lifetime ends in {max(0.0, expires - time.time()):.0f}s, at {format_time(expires)}"
+            if expires is not None
+            else ""
+        )
         log.info(
-            "Provisioned sandbox %s on backend %s; its lifetime ends in %.0fs, at %s",
+            "Provisioned sandbox %s on backend %s%s; %s",
             handle,
             self.hook.name,
-            max(0.0, expires - time.time()),
-            time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(expires)),
+            lifetime,
+            _network_words(self.spec or SandboxSpec()),
         )
 
     def _earlier_tries(self) -> tuple[str, dict[str, dict[str, str]]]:
@@ -398,7 +411,7 @@ class SandboxSession:
                 )
                 continue
             try:
-                self.hook.destroy(handle)
+                self.hook.destroy(handle, reason=f"try {current} of the same task ended what try {number} left running")
             except Exception:
                 log.warning("Could not end sandbox %s, left running by try %s", handle, number, exc_info=True)
                 continue
@@ -424,16 +437,21 @@ class SandboxSession:
 
     def _supervisor_gone(self) -> None:
         handle = self._handle
-        log.warning(
-            "The task's supervisor (pid %s) exited; ending the work in sandbox %s",
-            self._watch and self._watch.pid,
-            handle,
+        watch = self._watch
+        ending = "the task process stops" if self.attach_mode else "the sandbox is destroyed"
+        message = (
+            f"The supervisor (pid {watch and watch.pid}) of task {task_holder(self._context) if self._context else '?'} "
+            f"exited while sandbox {handle} on backend {self.hook.name} was in use; {ending}"
         )
+        # The task log went with its relay, the supervisor: the worker that started the supervisor hears it too.
+        log.warning("%s", message)
+        if watch is not None:
+            watch.tell_worker(message)
         if self.attach_mode:
             # Another task's sandbox: never ended here. The command stops with the task process.
             return
         self.keep = False
-        self.close(succeeded=False)
+        self.close(succeeded=False, reason="the task's supervisor exited, so nobody would see or stop its work")
 
     def remaining_lifetime(self) -> float | None:
         """Seconds left for an attached sandbox, by the local clock; None when unknown."""
@@ -456,7 +474,7 @@ class SandboxSession:
         The backend clamps the timeout to the lifetime the sandbox has left.
 
         :param on_output: called with ``("stdout" | "stderr", bytes)`` as output arrives; its ``flush()``,
-            if it has one (:class:`~sandbox_provider.engine.output.LineLog` does), when the command ended.
+            if it has one (:class:`~sandbox_provider.engine.task_log.TaskLog` does), when the command ended.
         :param read_back: a file read right after with :meth:`read_file` (see ``SandboxHook.run_command``).
 
         :raises SandboxTerminalError: if the sandbox ended, or an attached one stopped mid-command.
@@ -601,9 +619,10 @@ class SandboxSession:
             return self.hook.run_command(
                 handle, command, timeout=timeout, max_output_bytes=max_output_bytes, on_output=on_output, **asked
             )
-        started = time.monotonic()
+        # Staging shares the command's launch, so its own seconds are not known: the line says what goes in.
+        log_staged(handle, stage, None)
         try:
-            result = self.hook.run_command(
+            return self.hook.run_command(
                 handle,
                 command,
                 timeout=timeout,
@@ -616,8 +635,6 @@ class SandboxSession:
             raise
         except SandboxError as err:
             raise SandboxTerminalError(f"Could not stage the inputs of sandbox {handle}: {err}") from err
-        log_staged(handle, stage, started)
-        return result
 
     def read_file(self, path: str, *, max_bytes: int) -> bytes:
         return self.hook.read_file(self.ensure(), path, max_bytes=max_bytes)
@@ -628,12 +645,14 @@ class SandboxSession:
     def list_directory(self, path: str = ".") -> list[tuple[str, bool]]:
         return self.hook.list_directory(self.ensure(), path)
 
-    def close(self, *, succeeded: bool = True) -> list[ExportRecord]:
+    def close(self, *, succeeded: bool = True, reason: str | None = None) -> list[ExportRecord]:
         """
         End the session: export (after success only), then destroy, release, or keep the sandbox.
 
         Destroy and release failures are logged with the handle and never mask the job's own error.
 
+        :param reason: why the sandbox is destroyed before its job is done (the task was stopped, say), as
+            words that follow "destroyed because"; a command running in it then fails saying so.
         :returns: the exported files, in the order given.
         :raises SandboxTerminalError: if an export fails, or the run ended with no sandbox standing
             while files were to be exported.
@@ -642,6 +661,7 @@ class SandboxSession:
             if self._closed:
                 return self.export_records
             self._closed = True
+            self._closed_because = reason
             handle, self._handle = self._handle, None
         watch, self._watch = self._watch, None
         if watch is not None:
@@ -652,7 +672,7 @@ class SandboxSession:
             return self.export_records
         finally:
             if handle is not None:
-                self._teardown(handle)
+                self._teardown(handle, reason)
 
     def _export(self, handle: str | None) -> None:
         """Copy the exports out (see :func:`~sandbox_provider.engine.transfer.export_files`), timed and reported."""
@@ -673,12 +693,12 @@ class SandboxSession:
         self.report.exports = list(self.export_records)
         report_hook_lineage(self.hook, exports=self.export_records)
 
-    def _teardown(self, handle: str) -> None:
+    def _teardown(self, handle: str, reason: str | None = None) -> None:
         destroy = (not self.attach_mode) if self.keep is None else (self.keep is False)
         if destroy:
             try:
                 with metrics.timed("destroy", self.hook):
-                    self.hook.destroy(handle)
+                    self.hook.destroy(handle, reason=reason)
                 log.info("Destroyed sandbox %s on backend %s, with its files and processes", handle, self.hook.name)
             except Exception:
                 log.warning(
@@ -745,6 +765,16 @@ def _shown(command: str) -> str:
     if len(shown) > _COMMAND_CHARS:
         shown = shown[:_COMMAND_CHARS] + f" [... {len(shown) - _COMMAND_CHARS} more characters]"
     return shown
+
+
+def _network_words(spec: SandboxSpec) -> str:
+    """What the spec lets the sandbox reach, in a few words for the log."""
+    if not spec.block_network:
+        return "it has an open network"
+    allowed = [*(spec.allow_egress_to or ()), *(spec.allow_egress_to_cidrs or ())]
+    if not allowed:
+        return "it has no network"
+    return "its network reaches only " + ", ".join(allowed)
 
 
 def _ending(result: SandboxExecResult) -> str:

@@ -408,13 +408,28 @@ def check_input(url: str, conn_id: str | None, what: str) -> None:
         check_input_source(source, url, what)
 
 
-def log_staged(handle: str, entries: list[ImportEntry], started: float) -> None:
+def log_staged(handle: str, entries: list[ImportEntry], started: float | None) -> None:
+    """
+    Log what was staged into ``handle`` and, from ``started`` (a ``time.monotonic()``), in how many
+    seconds; with ``started`` None, the entries go in with the command's own launch, about to start,
+    and no seconds are claimed.
+    """
     shown = ", ".join(e.path for e in entries[:5]) + (f", ... ({len(entries) - 5} more)" if len(entries) > 5 else "")
+    size = format_size(sum(e.size for e in entries))
+    if started is None:
+        log.info(
+            "Staging %d file(s) into sandbox %s with the command's own launch (%s): %s",
+            len(entries),
+            handle,
+            size,
+            shown,
+        )
+        return
     log.info(
         "Staged %d file(s) into sandbox %s (%s in %.1fs): %s",
         len(entries),
         handle,
-        format_size(sum(e.size for e in entries)),
+        size,
         time.monotonic() - started,
         shown,
     )

@@ -6,6 +6,11 @@ the outcome. When the supervisor is killed, the task process lives on, unsupervi
 nowhere and the scheduler will start a new try beside it. :class:`SupervisorWatch` notices the
 supervisor's exit the moment it happens (a pidfd, no polling) and calls back, so the session can end
 the sandbox instead of letting its command run on for as long as its timeout allows.
+
+The task log goes with the supervisor, which relays it, so what the session says then would reach
+nobody: :meth:`SupervisorWatch.tell_worker` writes it to the standard error of the process that
+started the supervisor (the worker: the LocalExecutor's scheduler, a Celery worker), opened while the
+supervisor still lived, which is the worker's own log.
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ import logging
 import os
 import select
 import threading
+import time
 from collections.abc import Callable
+
+from sandbox_provider.sandbox.output import format_time
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +60,7 @@ class SupervisorWatch:
         self._on_gone = on_gone
         self._stop_r, self._stop_w = os.pipe()
         self._thread: threading.Thread | None = None
+        self._worker_stderr: int | None = None
         self.fired = False
 
     def start(self) -> SupervisorWatch:
@@ -67,6 +76,8 @@ class SupervisorWatch:
             # Reparented already: the supervisor is gone, and the pid may name another process now.
             os.close(pidfd)
             pidfd = None
+        if pidfd is not None:
+            self._worker_stderr = _open_parent_stderr(self.pid)
         self._thread = threading.Thread(target=self._wait, args=(pidfd,), daemon=True, name="sandbox-supervisor")
         self._thread.start()
         return self
@@ -87,6 +98,21 @@ class SupervisorWatch:
             if pidfd is not None:
                 os.close(pidfd)
 
+    def tell_worker(self, message: str) -> bool:
+        """
+        Write ``message`` as one line, stamped with the time and this process, to the standard error of
+        the worker that started the supervisor; returns whether it went anywhere.
+        """
+        fd = self._worker_stderr
+        if fd is None:
+            return False
+        line = f"{format_time(time.time())} airflow-sandbox (task process {os.getpid()}): {message}\n"
+        try:
+            os.write(fd, line.encode("utf-8", errors="replace"))
+        except OSError:
+            return False
+        return True
+
     def stop(self) -> None:
         """Stop watching; safe to call more than once."""
         with contextlib.suppress(OSError):
@@ -96,7 +122,27 @@ class SupervisorWatch:
         self._close_pipe()
 
     def _close_pipe(self) -> None:
-        for fd in (self._stop_r, self._stop_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        for fd in (self._stop_r, self._stop_w, self._worker_stderr):
+            if fd is not None and fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
         self._stop_r = self._stop_w = -1
+        self._worker_stderr = None
+
+
+def _open_parent_stderr(pid: int) -> int | None:
+    """
+    A descriptor for appending to the standard error of ``pid``'s parent, or None: no such process
+    that this one may write to, or the parent is init (whose standard error is nobody's log).
+    """
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            parent = int(stat.read().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    if parent <= 1:
+        return None
+    try:
+        return os.open(f"/proc/{parent}/fd/2", os.O_WRONLY | os.O_APPEND | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return None

@@ -11,12 +11,15 @@ from airflow.sdk.exceptions import AirflowException, AirflowSkipException, TaskD
 
 from sandbox_provider.engine.lineage import SandboxReport, emit_asset_events, plan_assets
 from sandbox_provider.engine.options import SessionOptions, check_attachable
-from sandbox_provider.engine.output import LineLog, mask_stream, tail_text
+from sandbox_provider.engine.output import mask_stream, mask_text, tail_text
 from sandbox_provider.engine.session import SandboxSession
+from sandbox_provider.engine.task_log import TaskLog, log_policy
 from sandbox_provider.engine.transfer import DEFAULT_MAX_EXPORT_BYTES
 from sandbox_provider.hooks import get_sandbox_hook
 from sandbox_provider.sandbox.hook import SandboxHook
 from sandbox_provider.sandbox.jobs import DetachedJob
+from sandbox_provider.sandbox.output import format_size
+from sandbox_provider.sandbox.settings import TASK_SETTINGS
 from sandbox_provider.sandbox.spec import (
     SandboxExecResult,
     SandboxSpec,
@@ -39,6 +42,13 @@ DEFAULT_TIMEOUT = 1800.0
 DEFAULT_MAX_OUTPUT_BYTES = 1024 * 1024
 #: Characters of each stream kept in the XCom and in a failure message.
 TAIL_CHARS = 2000
+
+
+#: Why ``on_kill`` destroys the sandbox, as the failure of a command still running in it says.
+STOPPED = (
+    "the task was stopped while it ran (marked failed or cleared in Airflow, or its worker shut down), and its "
+    "on_kill destroyed the sandbox"
+)
 
 
 class SandboxCommandError(AirflowException):
@@ -102,9 +112,11 @@ class SandboxOperator(BaseOperator):
 
     The task log follows the sandbox's life: where it was provisioned and until when, each file
     staged in and exported (size, seconds), the command (masked), and its output line by line as it
-    arrives, ``[stdout] ...`` and ``[stderr] ...``, masked with Airflow's secret masker; then the
-    exit status, how long it ran, and what was destroyed. Lines already logged stay when the task is
-    killed. Only the tails (``max_output_bytes``) are kept in memory, for the XCom and a failure.
+    arrives, ``[stdout] ...`` and ``[stderr] ...``, masked with Airflow's secret masker, as
+    ``log_output`` says; then the exit status, how long it ran, and what was destroyed. Lines already
+    logged stay when the task is killed. The command never waits for the log: lines the log cannot
+    keep up with are counted and left out of it, never out of the tails (``max_output_bytes``) kept
+    in memory for the XCom and a failure.
 
     Building the operator touches no connection: ``backend`` is resolved when the task runs.
 
@@ -132,6 +144,13 @@ class SandboxOperator(BaseOperator):
     :param max_output_bytes: bytes of each output stream kept (the tail); default 1 MiB.
     :param max_export_bytes: the largest file one export copies, in bytes; default 1 GiB.
     :param skip_on_exit_code: exit status, or statuses, that skip the task instead of failing it.
+    :param log_output: what of the command's output the task log gets: ``"all"`` (every line the log
+        keeps up with), ``"head_tail"`` (the first and last ``log_output_lines``, and a count of the
+        rest) or ``"none"`` (a count). Default: the connection's ``log_output`` extra, else ``"all"``.
+    :param log_output_lines: lines at each end with ``"head_tail"``, 1 to 1000. Default: the
+        connection's extra, else 100.
+    :param log_output_max_bytes: the most bytes of output the task logs, in any mode. Default: the
+        connection's extra, else no ceiling.
     :param attach_to: handle of a sandbox an earlier task provisioned with ``keep_sandbox=True``
         (templated), e.g. ``"{{ ti.xcom_pull(task_ids='provision') }}"``. Needs an attachable backend.
     :param sandbox_owner: with ``attach_to``, the owner the sandbox must carry (default: this Dag
@@ -187,6 +206,9 @@ class SandboxOperator(BaseOperator):
         exports_as_assets: bool | AssetAlias = False,
         deferrable: bool | None = None,
         poll_interval: float = DEFAULT_POLL_INTERVAL,
+        log_output: str | None = None,
+        log_output_lines: int | None = None,
+        log_output_max_bytes: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -199,6 +221,16 @@ class SandboxOperator(BaseOperator):
         if self.deferrable and not isinstance(backend, str):
             check_deferrable(backend)  # a connection id is checked when the task runs, before provisioning
         self.poll_interval = float(check_positive(poll_interval, "poll_interval"))
+        #: The task-log settings given here (None: from the connection, else the default).
+        self.log_settings = dict(
+            TASK_SETTINGS.check_args(
+                {
+                    "log_output": log_output,
+                    "log_output_lines": log_output_lines,
+                    "log_output_max_bytes": log_output_max_bytes,
+                }
+            )
+        )
         self._options = SessionOptions(
             spec=spec,
             attach_to=attach_to,
@@ -291,7 +323,8 @@ class SandboxOperator(BaseOperator):
         if self.deferrable and command is not None:
             check_deferrable(session.hook)
         self._session = session
-        self._live = LineLog(self.log)
+        self._live = TaskLog(self.log, log_policy(self.log_settings, session.hook, self.backend))
+        self._ran = command
         deferred = False
         result = None
         try:
@@ -380,7 +413,7 @@ class SandboxOperator(BaseOperator):
     def _conclude(self, context: Context, session: SandboxSession, result: SandboxExecResult | None) -> Any:
         """After the command (if any): check its result, collect, then export and tear down; the XCom."""
         if result is not None:
-            self._check_result(session, result)
+            self._check_result(session, result, getattr(self, "_ran", None))
         collected = self._collect(session, result)
         self._kept_handle: str | None = session.handle
         handle = self._kept_handle
@@ -401,9 +434,25 @@ class SandboxOperator(BaseOperator):
             session.keep = None
         session.close(succeeded=succeeded)
 
-    def _check_result(self, session: SandboxSession, result: SandboxExecResult) -> None:
+    def _what_ran(self, command: str | None) -> str:
+        """What ran, for a failure message: the command, masked and cut to a line's length."""
+        if command is None:
+            command = self.command if isinstance(self.command, str) else ""
+        shown = " ".join(mask_text(command).split())
+        return f"The command {shown if len(shown) <= 200 else shown[:200] + ' ...'!r}"
+
+    def _check_result(self, session: SandboxSession, result: SandboxExecResult, command: str | None = None) -> None:
         handle = session.handle or "(ended)"
-        if result.stdout_truncated or result.stderr_truncated:
+        what = self._what_ran(command)
+        live = getattr(self, "_live", None)  # none when the task resumed after deferring: the triggerer logged
+        lines, size = live.left_out if live is not None else (0, 0)
+        if lines or size:
+            self.log.info(
+                "The task log left out %d line(s) of output (%s); the XCom and a failure keep the end of each stream",
+                lines,
+                format_size(size),
+            )
+        elif result.stdout_truncated or result.stderr_truncated:
             self.log.info(
                 "Output was longer than max_output_bytes=%d: the log above has all of it, the XCom only its end",
                 self.max_output_bytes,
@@ -411,19 +460,22 @@ class SandboxOperator(BaseOperator):
         masked_stderr = mask_stream(result.stderr, cut=result.stderr_truncated).rstrip()
         stderr_tail = tail_text(masked_stderr, TAIL_CHARS) or "(no output on standard error)"
         if result.sandbox_terminated:
-            raise SandboxCommandError(f"The sandbox ended while the command ran; its files are gone.\n{stderr_tail}")
+            because = f" ({result.ended_because})" if result.ended_because else ""
+            raise SandboxCommandError(
+                f"The sandbox ended while the command ran{because}; its files are gone. {what} did not finish. "
+                f"Last standard error:\n{stderr_tail}"
+            )
         if result.timed_out:
             limit = result.applied_timeout or self.timeout
             raise SandboxCommandError(
-                f"The command ran past its timeout of {limit:g}s in sandbox {handle} and was killed. Raise "
+                f"{what} ran past its timeout of {limit:g}s in sandbox {handle} and was killed. Raise "
                 f"timeout= or make the command faster. Last standard error:\n{stderr_tail}"
             )
         if result.exit_code in self.skip_on_exit_code:
-            raise AirflowSkipException(f"The command exited with status {result.exit_code}; skipping the task.")
+            raise AirflowSkipException(f"{what} exited with status {result.exit_code}; skipping the task.")
         if result.exit_code != 0:
             raise SandboxCommandError(
-                f"The command exited with status {result.exit_code} in sandbox {handle}. Last standard error:\n"
-                f"{stderr_tail}"
+                f"{what} exited with status {result.exit_code} in sandbox {handle}. Last standard error:\n{stderr_tail}"
             )
 
     # -- lineage: called by the OpenLineage provider, when it is installed --------------------------------
@@ -456,11 +508,11 @@ class SandboxOperator(BaseOperator):
             return
         live = getattr(self, "_live", None)
         if live is not None:
-            live.flush()
+            live.flush(timeout=5.0)
         handle = session.handle
         session.keep = False
         try:
-            session.close(succeeded=False)
+            session.close(succeeded=False, reason=STOPPED)
         except Exception:
             self.log.warning("Could not destroy sandbox %s after the task was killed", handle, exc_info=True)
         else:

@@ -16,7 +16,7 @@ import re
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import IO, TYPE_CHECKING, Any, ClassVar
 
 from airflow.sdk import BaseHook
@@ -64,6 +64,9 @@ MIN_COMMAND_SECONDS = 0.5
 JOB_CONTROL_TIMEOUT = 60.0
 #: Bytes of output a control program of a detached command may give back (a poll's base64, both streams).
 JOB_CONTROL_OUTPUT_BYTES = 4 * jobs.POLL_BYTES
+#: Seconds a connection test waits at most for a backend that does not answer: the Test button's
+#: patience, which the UI's request outlasts. A hosted backend's retries stop at it (SandboxHook.patience).
+TEST_PATIENCE = 10.0
 #: The pattern of the handles ``new_sandbox_name`` makes: the prefix and 1 to 112 plain characters.
 NAMED_HANDLE = re.compile(re.escape(SANDBOX_NAME_PREFIX) + r"[A-Za-z0-9][A-Za-z0-9_.-]{0,111}")
 
@@ -362,6 +365,10 @@ class SandboxHook(BaseHook):
         super().__init__(**kwargs)
         #: Expiry times (Unix seconds) this hook learnt, by handle, to clamp deadlines without asking again.
         self._known_expiry: dict[str, float] = {}
+        #: Why this hook destroyed each sandbox it destroyed (the latest few), for a command running in it then.
+        self._destroyed_because: dict[str, str] = {}
+        #: When the running connection test must have answered (monotonic seconds); None outside a test.
+        self._test_ends: float | None = None
 
     # -- what a backend implements -------------------------------------------------------------------
 
@@ -560,17 +567,42 @@ class SandboxHook(BaseHook):
         check_positive(timeout, "timeout")
         check_byte_count(max_output_bytes, "max_output_bytes")
         check_command(command)
+        if handle in self._destroyed_because:
+            raise SandboxTerminalError(
+                f"Sandbox {handle} is gone: {self._destroyed_because[handle]}. Provision a new one."
+            )
         budget = self._deadline(handle, float(timeout))
         sink = OutputSink(int(max_output_bytes), on_output)
         if read_back is not None:
             self._read_back_hint(handle, check_path(read_back))
-        if stage:
-            outcome = self._run_staged(handle, command, stage, timeout=budget, output=sink)
-        else:
-            outcome = self._run(handle, command, timeout=budget, output=sink)
+        try:
+            if stage:
+                outcome = self._run_staged(handle, command, stage, timeout=budget, output=sink)
+            else:
+                outcome = self._run(handle, command, timeout=budget, output=sink)
+        except SandboxError as err:
+            # Whatever the backend made of its sandbox vanishing, the cause known here is the truth.
+            why = self._why_ended(handle)
+            if why is None:
+                raise
+            raise SandboxTerminalError(f"Sandbox {handle} ended while the command ran: {why}.") from err
+        if handle in self._destroyed_because and not outcome.sandbox_terminated:
+            # Destroyed meanwhile (on_kill, on another thread): whatever status the backend saw, that ended it.
+            outcome = replace(outcome, sandbox_terminated=True)
+        result = sink.result(outcome, budget)
         if outcome.sandbox_terminated:
+            result = replace(result, ended_because=self._why_ended(handle))
             self._known_expiry.pop(handle, None)
-        return sink.result(outcome, budget)
+        return result
+
+    def _why_ended(self, handle: str) -> str | None:
+        """Why sandbox ``handle`` ended, when this hook knows: it destroyed it, or its lifetime ran out."""
+        if handle in self._destroyed_because:
+            return self._destroyed_because[handle]
+        expires = self._known_expiry.get(handle)
+        if expires is not None and time.time() >= expires - 1.0:
+            return "it reached the end of its lifetime (the backend's sandbox_timeout setting)"
+        return None
 
     def _deadline(self, handle: str, timeout: float) -> float:
         """``timeout`` cut to the backend's longest deadline and to the lifetime the sandbox has left."""
@@ -757,10 +789,25 @@ class SandboxHook(BaseHook):
         arguments.update({name: value for name, value in dict(given).items() if value is not None})
         return arguments
 
-    def destroy(self, handle: str) -> None:
-        """Remove the sandbox and everything in it. Destroying a sandbox that is gone is not an error."""
+    def destroy(self, handle: str, *, reason: str | None = None) -> None:
+        """
+        Remove the sandbox and everything in it. Destroying a sandbox that is gone is not an error.
+
+        :param reason: why, as words that follow "destroyed because" would (``"the task was stopped"``);
+            a command still running in it then fails saying so. Default: destroyed by this worker.
+        """
         handle = self.check_handle(handle)
-        self._destroy(handle)
+        # Recorded first: a command failing meanwhile (on another thread) must already find the reason.
+        self._destroyed_because[handle] = (
+            f"this worker destroyed it because {reason}" if reason else "this worker destroyed it"
+        )
+        while len(self._destroyed_because) > 256:
+            self._destroyed_because.pop(next(iter(self._destroyed_because)))
+        try:
+            self._destroy(handle)
+        except BaseException:
+            self._destroyed_because.pop(handle, None)
+            raise
         self._known_expiry.pop(handle, None)
 
     def find_sandboxes(self, stamps: Mapping[str, str]) -> dict[str, dict[str, str]]:
@@ -862,6 +909,21 @@ class SandboxHook(BaseHook):
     #: A sentence the success message of a connection test ends with (where tasks' sandboxes run).
     test_connection_note: ClassVar[str] = ""
 
+    def patience(self, seconds: float) -> float:
+        """
+        ``seconds``, cut while a connection test runs to what is left of its :data:`TEST_PATIENCE`
+        (never below half a second). A backend's retry loops and waits take their budgets through it,
+        so a Test against an unreachable service answers within the Test button's patience.
+        """
+        if self._test_ends is None:
+            return seconds
+        return max(0.5, min(seconds, self._test_ends - time.monotonic()))
+
+    @property
+    def testing(self) -> bool:
+        """Whether a connection test is running on this hook."""
+        return self._test_ends is not None
+
     def test_connection(self) -> tuple[bool, str]:
         """
         Check the backend from the process running the test; return ``(ok, message)``, never raise.
@@ -872,12 +934,15 @@ class SandboxHook(BaseHook):
         :meth:`_check_connection`.
         """
         origin = connection_test_origin(getattr(self, self.conn_name_attr, None))
+        self._test_ends = time.monotonic() + TEST_PATIENCE
         try:
             ok, message = True, self._check_connection()
             if self.test_connection_note:
                 message = f"{message} {self.test_connection_note}"
         except Exception as err:  # test_connection must report, never raise
             ok, message = False, f"{type(err).__name__}: {err}"
+        finally:
+            self._test_ends = None
         subject = f"Connection {origin.tested_id!r}" if origin.tested_id else f"The {self.display_name} backend"
         return ok, origin.name_tested(f"{subject}, tested by {origin.runner}: {message}")
 

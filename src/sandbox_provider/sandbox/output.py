@@ -8,9 +8,10 @@ shows of the output (tails for a model, task-log lines, masks, file windows) is 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable
 
-__all__ = ["StreamDrain", "TailBuffer", "format_size", "listing"]
+__all__ = ["StreamDrain", "TailBuffer", "format_size", "format_time", "listing"]
 
 
 _NEWLINE = 0x0A
@@ -152,3 +153,8 @@ def format_size(n: int) -> str:
             return f"{int(size)}B" if unit == "B" else f"{size:.1f}{unit}"
         size /= 1024
     return f"{size:.1f}TB"
+
+
+def format_time(unix_seconds: float) -> str:
+    """A moment as every log line and message of the provider writes it: UTC, to the second, ``2026-12-04T08:19:31Z``."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix_seconds))

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ConnectionForm", "ResolvedSettings", "Setting", "SettingsTable"]
+__all__ = ["TASK_SETTINGS", "ConnectionForm", "ResolvedSettings", "Setting", "SettingsTable"]
 
 _KINDS: dict[type, str] = {int: "integer", float: "number", str: "string", bool: "boolean"}
 _TRUE = {"1", "true", "yes", "on"}
@@ -322,8 +322,45 @@ class ResolvedSettings(dict[str, Any]):
         )
 
 
-#: Extras a connection may carry that no settings table reads (Airflow's own, and other providers').
-_FOREIGN_EXTRAS = frozenset({"__extra__"})
+#: Settings of the tasks that use a sandbox connection, which the consumers read (operator and decorator
+#: arguments of the same names win), not the hook: every sandbox connection's form has them.
+TASK_SETTINGS = SettingsTable(
+    Setting(
+        "log_output",
+        str,
+        "all",
+        label="Command output in the task log",
+        help=(
+            "What of a command's output the task log gets: all (every line, as fast as the log takes them; "
+            "lines it cannot keep up with are counted and left out), head_tail (the first and last "
+            "log_output_lines lines and a count of the rest) or none (a count only). The task's result "
+            "keeps the end of each stream whatever this says."
+        ),
+        choices=("all", "head_tail", "none"),
+    ),
+    Setting(
+        "log_output_lines",
+        int,
+        100,
+        label="Lines at each end (head_tail)",
+        help="With log_output head_tail: the lines logged at the start and at the end of a command's output.",
+        minimum=1,
+        maximum=1000,
+    ),
+    Setting(
+        "log_output_max_bytes",
+        int,
+        label="Most output in the task log (bytes)",
+        help="The most bytes of command output one task logs, in any log_output mode; the rest is counted.",
+        default_text="no ceiling",
+        unit="bytes",
+        minimum=1,
+    ),
+)
+
+#: Extras a connection may carry that no backend's settings table reads (Airflow's own, other
+#: providers', and the task settings, which the consumers read).
+_FOREIGN_EXTRAS = frozenset({"__extra__", *TASK_SETTINGS.names})
 
 
 def _warn_unknown(extra: Mapping[str, Any], settings: Mapping[str, Setting], conn_id: str | None) -> None:
@@ -367,3 +404,7 @@ class ConnectionForm:
     @property
     def default_conn_name(self) -> str:
         return f"{self.conn_type}_default"
+
+    def form_fields(self) -> dict[str, dict[str, Any]]:
+        """The ``conn-fields`` Airflow renders: the backend's settings, then :data:`TASK_SETTINGS`."""
+        return {**self.settings.form_fields(), **TASK_SETTINGS.form_fields()}

@@ -174,6 +174,8 @@ class SandboxExecResult:
     :param stdout_totals: how much the command wrote to standard output in all, so a reader can say
         exactly what the tail leaves out; None when the producer did not count.
     :param stderr_totals: the same for standard error.
+    :param ended_because: with ``sandbox_terminated``, why the sandbox ended when the hook knows: this
+        worker destroyed it (the reason it gave, e.g. the task was stopped), or its lifetime ran out.
     """
 
     exit_code: int
@@ -186,6 +188,7 @@ class SandboxExecResult:
     applied_timeout: float | None = None
     stdout_totals: StreamTotals | None = None
     stderr_totals: StreamTotals | None = None
+    ended_because: str | None = None
 
     @property
     def ok(self) -> bool:

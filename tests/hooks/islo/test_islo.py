@@ -223,6 +223,20 @@ def test_a_lost_create_answer_is_resent_under_the_same_name(islo_hook, islo_serv
     assert islo_service.count("create") == 2 and list(islo_service.sandboxes) == [handle]
 
 
+def test_islo_retries_a_refused_create_for_its_request_timeout_and_deletes_nothing(islo_hook, islo_service):
+    """A task's create (no Test): retried for request_timeout, not the 180 s a new sandbox may take to boot."""
+    islo_service.fail("create", connect=True, times=10**6)
+    hook = islo_hook(extra={"request_timeout": 20})
+    clock = Clock()
+    pauses: list[float] = []
+    hook._monotonic, hook._sleep = clock, lambda seconds: pauses.append(seconds) or clock.sleep(seconds)
+    began = clock.now
+    with pytest.raises(SandboxTerminalError, match="ConnectError"):
+        hook.create(spec=SandboxSpec())
+    assert 10 <= clock.now - began <= 20 and len(pauses) >= 3  # it did retry, for as long as it may
+    assert islo_service.count("delete") == 0  # no request got through, so there is nothing to delete
+
+
 # -- commands ----------------------------------------------------------------------------------------
 
 

@@ -169,7 +169,7 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
 
     @property
     def _request_timeout(self) -> float:
-        return float(self._resolved()["request_timeout"])
+        return self.patience(float(self._resolved()["request_timeout"]))
 
     # -- the contract ----------------------------------------------------------------------------------
 
@@ -194,7 +194,7 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
             snapshots=False,
             name=request.name,
         )
-        deadline = self._monotonic() + float(settings["ready_timeout"])
+        deadline = self._monotonic() + self.patience(float(settings["ready_timeout"]))
         sandbox_id: str | None = None
         try:
             created = self._create(body, deadline)

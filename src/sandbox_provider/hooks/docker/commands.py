@@ -62,6 +62,7 @@ class DockerExec(batch.ExecTransfers):
         _where: str
         _read_back_paths: dict[str, str]
         _read_backs: dict[str, tuple[str, bytes]]
+        _destroyed_because: dict[str, str]
 
         def _client(self) -> Any: ...
         def _labels(self, handle: str) -> dict[str, str]: ...
@@ -185,6 +186,9 @@ class DockerExec(batch.ExecTransfers):
         driver.mark_fresh(handle, False)
 
     def _keeper_failed(self, handle: str) -> None:
+        ended = self._destroyed_because.get(handle)
+        if ended is not None:  # not the keeper's doing: this worker removed the container (on_kill, say)
+            raise SandboxTerminalError(f"Sandbox container {handle} is gone: {ended}.")
         logs = self._keeper_log(handle)
         self._destroy(handle)
         raise SandboxTerminalError(

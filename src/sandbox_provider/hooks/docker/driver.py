@@ -400,6 +400,13 @@ def daemon_url(host: str | None) -> str | None:
     return host or None
 
 
+def environment_daemon() -> str:
+    """The Engine a client made with no host talks to, as words for a log line: ``DOCKER_HOST``, else the local socket."""
+    if os.environ.get("DOCKER_HOST"):
+        return f"{os.environ['DOCKER_HOST']} (DOCKER_HOST)"
+    return "unix:///var/run/docker.sock (the local socket)"
+
+
 def make_client(host: str | None, settings: Mapping[str, Any], *, conn_id: str) -> Any:
     """
     A ``docker`` client for ``host`` (None: the environment's, ``DOCKER_HOST`` or the local socket).

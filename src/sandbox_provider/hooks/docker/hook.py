@@ -208,7 +208,7 @@ class DockerSandboxHook(GatewayEgress, DockerExec, StreamFiles, ShellFiles, Atta
             if self._client_obj is None:
                 settings = self._resolved()
                 host = driver.daemon_url(settings["host"])
-                self._where = f"the Docker Engine at {host}" if host else _DEFAULT_ENGINE
+                self._where = f"the Docker Engine at {host or driver.environment_daemon()}"
                 try:
                     self._client_obj = driver.make_client(host, settings, conn_id=self.sandbox_conn_id)
                 except SandboxError:

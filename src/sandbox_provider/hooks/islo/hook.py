@@ -66,7 +66,8 @@ STREAM_KEEP = 1024 * 1024 - 4096
 KILL_AFTER = 5
 #: Seconds past a command's deadline (and its kill) to wait for Islo's result before deleting the sandbox.
 RESULT_GRACE = 30.0
-#: Seconds provisioning may take, retries included.
+#: Seconds a new sandbox may take to be ready once Islo accepted it. The create request itself is
+#: retried for at most the connection's request_timeout.
 CREATE_BUDGET = 180.0
 #: Seconds a delete may take, retries included.
 DELETE_BUDGET = 60.0
@@ -176,7 +177,7 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
                         f"No Islo API key: set the password of connection {self.islo_conn_id!r}, or ISLO_API_KEY "
                         "on the worker."
                     )
-                timeout = float(settings["request_timeout"])
+                timeout = self.patience(float(settings["request_timeout"]))
                 self._client_obj = islo.Islo(
                     api_key=api_key,
                     base_url=settings["base_url"],
@@ -189,7 +190,7 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
     def _call(self, fn: Callable[[], Any], *, budget: float, retry=driver.transient, attempts=None) -> Any:
         return call(
             fn,
-            until=self._monotonic() + budget,
+            until=self._monotonic() + self.patience(budget),
             retry=retry,
             retry_after=driver.retry_after,
             clock=self._monotonic,
@@ -237,25 +238,29 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
         client = self._client()
         sandboxes = client.sandboxes
         resent: list[bool] = []
+        reached: list[bool] = []  # an attempt that may have made a sandbox (anything driver.unsent does not rule out)
 
         def create() -> Any:
             try:
                 return sandboxes.create_sandbox(**fields, request_options=self._options())
-            except islo.core.api_error.ApiError as err:
+            except BaseException as err:
                 # Our name is new; a conflict after a resend means the first attempt created it.
-                if resent and driver.status_of(err) == 409:
+                if resent and isinstance(err, islo.core.api_error.ApiError) and driver.status_of(err) == 409:
                     return sandboxes.get_sandbox(request.name, request_options=self._options())
+                if not driver.unsent(err):
+                    reached.append(True)
                 raise
             finally:
                 resent.append(True)
 
         created = None
         try:
-            created = self._call(create, budget=CREATE_BUDGET)
-            self._wait_ready(request.name, created, deadline=self._monotonic() + CREATE_BUDGET)
+            created = self._call(create, budget=float(self._resolved()["request_timeout"]))
+            self._wait_ready(request.name, created, deadline=self._monotonic() + self.patience(CREATE_BUDGET))
         except BaseException as err:
-            # Delete what may exist under the name: never a sandbox Islo refused to make, nor another's.
-            if created is not None or not isinstance(err, Exception) or driver.transient(err):
+            # Delete what may exist under the name: never a sandbox Islo refused to make, nor another's, and
+            # nothing when no request got through.
+            if created is not None or not isinstance(err, Exception) or (reached and driver.transient(err)):
                 discard(self._destroy, request.name, log)
             if isinstance(err, SandboxError) or not isinstance(err, Exception):
                 raise

@@ -368,7 +368,7 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         if request.spec.has_allowlist:
             self._start_gateway(handle, request)
         self._probe_once(handle, request, limits)
-        log.info("Sandbox %s lives in %s until %s", handle, os.path.join(root, handle), time.ctime(request.expires_at))
+        log.info("Sandbox %s lives in %s on this worker", handle, os.path.join(root, handle))
         return handle
 
     def _probe_once(self, handle: str, request: ProvisionRequest, limits: Mapping[str, Any]) -> None:

@@ -54,12 +54,16 @@ def import_sdk() -> Any:
     return opensandbox
 
 
-def connection_config(settings: Mapping[str, Any], transport: Any = None, token: str | None = None) -> Any:
+def connection_config(
+    settings: Mapping[str, Any], transport: Any = None, token: str | None = None, *, deadline: float | None = None
+) -> Any:
     """
     A new ``ConnectionConfigSync`` from resolved settings (``domain`` None: the SDK reads
     ``OPEN_SANDBOX_DOMAIN`` and ``OPEN_SANDBOX_API_KEY``). A new one per sandbox object, since the SDK
     closes the transport it made when that sandbox is closed. ``token``, a sandbox's access token,
     rides in execd's header on every request: the SDK adds the config's headers to each one.
+    ``deadline``: seconds each request may take, its retries included (a connection test's patience);
+    None leaves the SDK's own retries as they are.
     """
     import_sdk()
     from opensandbox.config import ConnectionConfigSync
@@ -68,6 +72,11 @@ def connection_config(settings: Mapping[str, Any], transport: Any = None, token:
         "request_timeout": timedelta(seconds=float(settings["request_timeout"])),
         "use_server_proxy": bool(settings["use_server_proxy"]),
     }
+    if deadline is not None:
+        from opensandbox.transport.retry import RetryPolicy
+
+        options["request_timeout"] = min(options["request_timeout"], timedelta(seconds=deadline))
+        options["retry_policy"] = RetryPolicy(overall_deadline=timedelta(seconds=deadline))
     for name in ("domain", "api_key", "protocol"):
         if settings.get(name):
             options[name] = settings[name]

@@ -262,7 +262,8 @@ class OpenSandboxHook(Attachable, SandboxHook):
             return None
 
     def _config(self, token: str | None = None) -> Any:
-        return driver.connection_config(self._resolved(), self.transport, token)
+        deadline = self.patience(float(self._resolved()["request_timeout"])) if self.testing else None
+        return driver.connection_config(self._resolved(), self.transport, token, deadline=deadline)
 
     def _manager(self) -> Any:
         with self._lock:
@@ -320,7 +321,7 @@ class OpenSandboxHook(Attachable, SandboxHook):
             sandbox = sdk.SandboxSync.create(
                 settings["image"],
                 timeout=timedelta(seconds=math.ceil(request.lifetime)),
-                ready_timeout=timedelta(seconds=float(settings["ready_timeout"])),
+                ready_timeout=timedelta(seconds=self.patience(float(settings["ready_timeout"]))),
                 env={**dict(spec.env or {}), driver.TOKEN_ENV: token},
                 metadata={
                     driver.NAME_KEY: request.name,

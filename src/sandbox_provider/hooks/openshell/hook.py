@@ -184,7 +184,7 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
                 "The OpenShell sandbox backend needs the openshell package: "
                 "pip install -c requirements.lock '.[openshell]' in a clone of airflow-provider-sandbox."
             ) from err
-        timeout, gateway = settings["request_timeout"], settings["gateway"]  # gateway: without a host only
+        timeout, gateway = self.patience(settings["request_timeout"]), settings["gateway"]  # gateway: host-less only
         if not settings["host"]:
             try:
                 return openshell.SandboxClient.from_active_cluster(cluster=gateway, timeout=timeout)
@@ -294,7 +294,7 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
         hosts = self._hosts.get(handle)
         if hosts is None:
             # A sandbox made by another hook object: what it was created to reach is in its spec.
-            timeout = self._resolved()["request_timeout"]
+            timeout = self.patience(self._resolved()["request_timeout"])
             sandbox = self._call(
                 "reading",
                 handle,
@@ -314,7 +314,7 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
         hosts = self._expected_hosts(handle)
         request = driver.config_request(workspace=self._workspace(), name=handle)
         try:
-            config = self._stub().GetSandboxConfig(request, timeout=self._resolved()["request_timeout"])
+            config = self._stub().GetSandboxConfig(request, timeout=self.patience(self._resolved()["request_timeout"]))
         except Exception as err:
             if driver.status_code(err) in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 raise SandboxError(
@@ -361,7 +361,7 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
         import grpc
         from openshell._proto import openshell_pb2
 
-        deadline = time.monotonic() + self._resolved()["ready_timeout"]
+        deadline = time.monotonic() + self.patience(self._resolved()["ready_timeout"])
         phase = "PROVISIONING"
         while time.monotonic() < deadline:
             try:
