@@ -312,3 +312,15 @@ def test_the_operator_logs_each_line_while_the_command_runs(tmp_path, monkeypatc
     assert logged[0] == ("[stdout] line 1", False)  # logged while the command still waited
     assert sorted(line for line, _ in logged) == ["[stderr] err", "[stdout] line 1", "[stdout] line 2"]
     assert result["stdout"] == "line 1\nline 2\n" and result["stderr"] == "err\n"  # the tails stay
+
+
+def test_inline_logs_as_each_call_returns_and_leaves_nothing_out(recorded):
+    """The triggerer's relay: the sandbox keeps the output, so the reader may wait, and must not move past a line unlogged."""
+    logger, lines = recorded
+    live = TaskLog(logger, queue_lines=2, inline=True)
+    live("stdout", _seq(1, 10))
+    assert lines == [f"[stdout] {i}" for i in range(1, 11)]  # already logged, all ten past a queue of two
+    live("stdout", b"unended")
+    live.flush()
+    assert lines[-1] == "[stdout] unended" and live.left_out == [0, 0]
+    assert live._writer is None

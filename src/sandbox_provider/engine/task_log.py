@@ -112,6 +112,9 @@ class TaskLog:
     :param policy: what reaches the log; default every line.
     :param queue_lines: lines that may wait for the log; past them lines are left out.
     :param queue_bytes: bytes that may wait for the log.
+    :param inline: log in the calling thread, as each call returns, with no writer thread and nothing
+        left out for falling behind: for a reader that may wait (the triggerer relaying output the
+        sandbox keeps, which must be logged before it moves past it).
     """
 
     def __init__(
@@ -122,8 +125,10 @@ class TaskLog:
         max_line_bytes: int = MAX_LINE_BYTES,
         queue_lines: int = QUEUE_LINES,
         queue_bytes: int = QUEUE_BYTES,
+        inline: bool = False,
     ) -> None:
         self._log = logger
+        self._inline = inline
         self.policy = policy or LogPolicy()
         self._max_line = max(4, int(max_line_bytes))
         self._queue_limits = (max(1, queue_lines), max(1, queue_bytes))
@@ -164,6 +169,7 @@ class TaskLog:
                 self._take(stream, rest[:cut] + b"\n", piece=True)
                 rest = rest[cut:]
             self._held[stream] = rest
+        self._write_inline()
 
     def _take(self, stream: str, block: bytes, *, piece: bool = False) -> None:
         """Route ``block`` (whole lines, each ending in a newline) as the policy says; the lock is held."""
@@ -200,7 +206,7 @@ class TaskLog:
             return
         lines = block.count(b"\n")
         room_lines, room_bytes = self._queue_limits[0] - self._queued[0], self._queue_limits[1] - self._queued[1]
-        if bounded and (lines > room_lines or len(block) > room_bytes):
+        if bounded and not self._inline and (lines > room_lines or len(block) > room_bytes):
             fits = _first_lines(block, room_lines)
             fits = fits[: fits.rfind(b"\n", 0, max(0, room_bytes)) + 1]
             if fits:
@@ -278,12 +284,15 @@ class TaskLog:
             self._wake()
         finally:
             self._lock.release()
+        self._write_inline()
         return done.wait(timeout)
 
     # -- the writer ------------------------------------------------------------------------------------
 
     def _wake(self) -> None:
         """Start the writer if it is not running, and tell it there is work; the lock is held."""
+        if self._inline:
+            return
         if self._writer is None or not self._writer.is_alive():
             self._writer = threading.Thread(target=self._write, name="sandbox-task-log", daemon=True)
             self._writer.start()
@@ -301,6 +310,15 @@ class TaskLog:
                 self._write_item(item)
             except Exception:  # noqa: BLE001 - a logger that failed once must not stop the rest, or flush()
                 pass
+
+    def _write_inline(self) -> None:
+        """With ``inline``: log what is queued, in this thread, now."""
+        while self._inline:
+            with self._lock:
+                if not self._queue:
+                    return
+                item = self._queue.popleft()
+            self._write_item(item)
 
     def _write_item(self, item: Any) -> None:
         if isinstance(item, threading.Event):

@@ -24,7 +24,7 @@ from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
-from sandbox_provider.engine.output import LineLog
+from sandbox_provider.engine.task_log import TaskLog
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 from sandbox_provider.sandbox.hook import SandboxHook
 from sandbox_provider.sandbox.jobs import JobCursor, JobState, check_job_id
@@ -182,7 +182,8 @@ class SandboxCommandTrigger(BaseTrigger):
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         hook = self._hook()
-        relay = LineLog(self.log, max_line_chars=MAX_LINE_BYTES)
+        # Logged as relayed: the cursor moves past a line only once it is in the log.
+        relay = TaskLog(self.log, max_line_bytes=MAX_LINE_BYTES, inline=True)
         self.log.info(
             "Waiting for the command in sandbox %s on backend %s (job %s); its output follows",
             self.handle,
@@ -240,7 +241,7 @@ class SandboxCommandTrigger(BaseTrigger):
             self.log.warning("Could not check on the command in sandbox %s (will retry): %s", self.handle, err)
             return None
 
-    def _relay(self, state: JobState, relay: LineLog) -> bool:
+    def _relay(self, state: JobState, relay: TaskLog) -> bool:
         """Log the whole lines of ``state`` and move the cursor past them; True when it moved."""
         self._failing_since = None
         final = state.ended
