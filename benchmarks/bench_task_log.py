@@ -15,7 +15,7 @@ of a task are the same on both sides and left out. Rows:
 
 Each row also gives the task log's size and the output bytes in it.
 
-    .venv/bin/python benchmarks/bench_task_log.py [--rounds 5] [--lines 200000] [--cap 65536]
+    .venv/bin/python benchmarks/bench_task_log.py [--rounds 5] [--lines 200000] [--cap 2048]
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import Comparison  # noqa: E402
 
 HARNESS = Path(__file__).resolve().parents[1] / "tests" / "task_process.py"
+sys.path.insert(0, str(HARNESS.parent))
+
+import task_process  # noqa: E402
 
 DAG = """
 import os
@@ -99,28 +102,11 @@ class Instance:
 
     def __init__(self, root: Path, lines: int, cap: int) -> None:
         self.root = root
-        (root / "dags").mkdir()
+        self.env = task_process.instance(
+            root, BENCH_STATE_ROOT=str(root / "state"), BENCH_LINES=str(lines), BENCH_CAP=str(cap)
+        )
         (root / "state").mkdir()
         (root / "dags" / "chatty.py").write_text(textwrap.dedent(DAG))
-        for folder in (root, *root.parents):  # a root worker's sandboxes run as other users and pass through
-            if str(folder) in ("/", "/tmp"):
-                break
-            folder.chmod(folder.stat().st_mode | 0o111)
-        self.env = {
-            **os.environ,
-            "AIRFLOW_HOME": str(root / "home"),
-            "AIRFLOW__CORE__DAGS_FOLDER": str(root / "dags"),
-            "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(root / "logs"),
-            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-            "AIRFLOW__DATABASE__LOAD_DEFAULT_CONNECTIONS": "False",
-            "BENCH_STATE_ROOT": str(root / "state"),
-            "BENCH_LINES": str(lines),
-            "BENCH_CAP": str(cap),
-        }
-        self.env.pop("AIRFLOW__CORE__UNIT_TEST_MODE", None)
-        subprocess.run(
-            [sys.executable, "-m", "airflow", "db", "migrate"], env=self.env, check=True, capture_output=True
-        )
         self.runs = 0
 
     def run(self, task_id: str) -> dict:

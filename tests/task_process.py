@@ -23,6 +23,33 @@ import time
 from pathlib import Path
 
 
+def instance(root: Path, **extra: str) -> dict[str, str]:
+    """
+    An Airflow instance of its own under ``root`` (home, Dag folder ``dags/``, log folder ``logs/``): its
+    folders made reachable for a root worker's sandboxes, its database migrated; returns the environment
+    to run this harness in, with ``extra`` added.
+    """
+    import subprocess
+
+    for folder in (root, *root.parents):
+        if str(folder) in ("/", "/tmp"):
+            break
+        folder.chmod(folder.stat().st_mode | 0o111)  # a root worker's sandboxes run as other users and pass through
+    (root / "dags").mkdir(exist_ok=True)
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(root / "home"),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(root / "dags"),
+        "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(root / "logs"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__DATABASE__LOAD_DEFAULT_CONNECTIONS": "False",
+        **extra,
+    }
+    env.pop("AIRFLOW__CORE__UNIT_TEST_MODE", None)
+    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True)
+    return env
+
+
 def prepare(dag_file: str, dag_id: str, task_id: str, run_id: str, try_number: int):
     """Sync the Dag into the database, and make its run and the task instance, queued for this try."""
     from airflow import settings

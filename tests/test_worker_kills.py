@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import task_process
 from conftest import requires_bwrap
 
 HARNESS = Path(__file__).with_name("task_process.py")
@@ -88,23 +89,8 @@ with DAG("kills", schedule=None):
 def instance(tmp_path_factory):
     """An Airflow instance of its own: home, migrated SQLite database, Dag folder and log folder."""
     root = tmp_path_factory.mktemp("instance")
-    for folder in (root, *root.parents):
-        if str(folder) in ("/", "/tmp"):
-            break
-        folder.chmod(folder.stat().st_mode | 0o111)  # a root worker's sandboxes pass through
-    (root / "dags").mkdir()
+    env = task_process.instance(root, TEST_STATE_ROOT=str(root / "state"))
     (root / "dags" / "kills.py").write_text(textwrap.dedent(DAG))
-    env = {
-        **os.environ,
-        "AIRFLOW_HOME": str(root / "home"),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(root / "dags"),
-        "AIRFLOW__LOGGING__BASE_LOG_FOLDER": str(root / "logs"),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__DATABASE__LOAD_DEFAULT_CONNECTIONS": "False",
-        "TEST_STATE_ROOT": str(root / "state"),
-    }
-    env.pop("AIRFLOW__CORE__UNIT_TEST_MODE", None)
-    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True)
     return root, env
 
 
