@@ -83,5 +83,7 @@ def test_the_port_is_shown_for_the_test_button_only_where_airflow_needs_it(monke
 def test_provider_info_gives_airflow_the_table_fields():
     info = {entry["connection-type"]: entry for entry in provider_info.get_provider_info()["connection-types"]}
     for conn_type, (_, form) in FORMS.items():
-        assert info[conn_type]["conn-fields"] == form.settings.form_fields()
+        # The backend's settings, then the task settings every sandbox connection offers (log_output, ...).
+        assert info[conn_type]["conn-fields"] == form.form_fields()
+        assert list(form.form_fields())[: len(form.settings.form_fields())] == list(form.settings.form_fields())
         assert info[conn_type]["ui-field-behaviour"] == ui_field_behaviour(form.ui_behaviour)
