@@ -41,12 +41,16 @@ __all__ = [
     "export_failure",
     "import_failure",
     "is_utf8",
+    "transfer_allowance",
 ]
 
 #: Bytes read from a source at a time while the archive is built.
 PIECE_BYTES = 1024 * 1024
 _BLOCK = tarfile.BLOCKSIZE
 _RECORD = tarfile.RECORDSIZE
+#: Seconds a batch is allowed per file it may move, on top of its bytes' share: a tree of many small files
+#: costs a header, a file to open and a sink's begin and end per file, whatever its bytes.
+SECONDS_PER_FILE = 0.002
 #: The status of ``stage.sh`` (and of the runner) when the archive could not be extracted.
 STAGE_FAILED_STATUS, STAGE_FAILED_MARK = 125, "sandbox-stage-failed"
 
@@ -177,6 +181,8 @@ class ArchivePipe:
         self._reader = os.fdopen(read_fd, "rb", buffering=PIECE_BYTES)
         self.total = 0
         self.error: BaseException | None = None
+        #: the reader had stopped while the exec still wrote: its error, not the exec's end, stopped the export
+        self.refused = False
         self._thread = threading.Thread(target=self._read, args=(requests, sink, limits), daemon=True)
         self._thread.start()
 
@@ -191,10 +197,14 @@ class ArchivePipe:
             self._reader.close()  # the exec's next write fails, which stops it
 
     def write(self, data: bytes) -> None:
-        """Hand on a piece of the archive; raises once the reader has stopped."""
+        """Hand on a piece of the archive; raises once the reader has stopped (and :attr:`refused` is set)."""
         view = memoryview(data)
-        while view:
-            view = view[os.write(self._write_fd, view) :]
+        try:
+            while view:
+                view = view[os.write(self._write_fd, view) :]
+        except OSError:
+            self.refused = True
+            raise
 
     def finish(self) -> None:
         """End the archive and wait for the reader. :raises: what the reader raised."""
@@ -205,6 +215,22 @@ class ArchivePipe:
         self._thread.join()
         if self.error is not None:
             raise self.error
+
+    def finish_cut(self) -> BaseException | None:
+        """:meth:`finish`, returning what the reader raised (None: the archive was whole) instead of raising it."""
+        try:
+            self.finish()
+        except Exception as err:
+            return err
+        return None
+
+
+def transfer_allowance(max_bytes: int, max_files: int, min_rate: int) -> float:
+    """
+    Seconds one batch of at most ``max_bytes`` bytes in at most ``max_files`` files may take: at least
+    ``FILE_OP_TIMEOUT``, or its bytes at ``min_rate`` bytes per second plus :data:`SECONDS_PER_FILE` per file.
+    """
+    return max(FILE_OP_TIMEOUT, max_bytes / min_rate + max(0, max_files) * SECONDS_PER_FILE)
 
 
 def is_utf8(text: str) -> bool:
@@ -345,7 +371,7 @@ class ExecTransfers:
         if not entries:
             return 0
         archive = self._archive(handle, entries)
-        allowance = max(FILE_OP_TIMEOUT, archive.size / self.min_transfer_rate)
+        allowance = transfer_allowance(archive.size, len(entries), self.min_transfer_rate)
         result, _ = self._stream_script(
             handle, "stage.sh", timeout=allowance, stdin=cast(IO[bytes], archive), stdin_size=archive.size
         )
@@ -378,15 +404,20 @@ class ExecTransfers:
         if len(requests) == 1 and requests[0].kind == "file":
             return default_export_batch(cast(Any, self), handle, requests, sink, limits=limits)
         pipe = ArchivePipe(requests, sink, limits)
-        allowance = max(FILE_OP_TIMEOUT, limits.max_total_bytes / self.min_transfer_rate)
+        allowance = transfer_allowance(limits.max_total_bytes, limits.max_files, self.min_transfer_rate)
         try:
             result, _ = self._stream_script(
                 handle, "export_tree.sh", *export_arguments(requests), timeout=allowance, on_stdout=pipe.write
             )
         finally:
-            pipe.finish()
-        if result.timed_out or result.sandbox_terminated:
+            cut = pipe.finish_cut()
+        # The reader refused a member first (the exec was stopped for it): its error. Otherwise an
+        # export cut off by its allowance, or by the sandbox ending, left the archive cut short: that
+        # is a timeout (or an ended sandbox), not a corrupt archive.
+        if (result.timed_out or result.sandbox_terminated) and not pipe.refused:
             raise file_failure(result, "the export", "exporting")
+        if cut is not None:
+            raise cut
         if not result.ok:
             raise export_failure(requests, result.exit_code, result.stderr)
         return pipe.total

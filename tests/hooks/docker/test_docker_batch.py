@@ -232,6 +232,60 @@ def test_limits_hold_before_a_byte_is_handed_over(hook, sandbox):
     assert sh(hook, sandbox, "echo alive").stdout == "alive\n"
 
 
+class SlowSink(Sink):
+    """A sink whose streams take ``pause`` seconds per write: a slow destination, so the exec's pipe backs up."""
+
+    def __init__(self, pause: float) -> None:
+        super().__init__()
+        self.pause = pause
+
+    def begin(self, index: int, name: str) -> io.BytesIO:
+        stream = super().begin(index, name)
+        write = stream.write
+
+        def slow(data) -> int:
+            time.sleep(self.pause)
+            return write(data)
+
+        stream.write = slow  # type: ignore[method-assign]
+        return stream
+
+
+def test_an_export_cut_off_by_its_allowance_is_reported_as_a_timeout(hook, sandbox, monkeypatch):
+    """
+    A destination slower than the allowance: the exec is stopped mid-archive, so the reader finds the
+    archive cut inside a member. That is a timeout, never "archive ended inside ...". The control: the
+    same export with the allowance it normally has comes out whole.
+    """
+    from sandbox_provider.sandbox import batch_stream
+
+    sh(hook, sandbox, "mkdir -p many && for i in $(seq 1 20); do head -c 300000 /dev/urandom > many/f$i; done")
+    whole = Sink()
+    assert hook.export_batch(sandbox, [ExportRequest("many", "tree")], whole, limits=LIMITS) == 20 * 300000
+    assert len(whole.files) == 20
+    monkeypatch.setattr(batch_stream, "FILE_OP_TIMEOUT", 1.0)
+    monkeypatch.setattr(batch_stream, "SECONDS_PER_FILE", 0.0)
+    monkeypatch.setattr(hook, "min_transfer_rate", 10**12)
+    started = time.monotonic()
+    with pytest.raises(SandboxError, match="Timed out while exporting") as caught:
+        hook.export_batch(sandbox, [ExportRequest("many", "tree")], SlowSink(0.2), limits=LIMITS)
+    assert "archive ended" not in str(caught.value)
+    assert time.monotonic() - started < 30
+    # The next command still runs: the cut-off export swept what it had started.
+    assert sh(hook, sandbox, "echo alive").stdout == "alive\n"
+
+
+def test_a_batch_is_allowed_time_per_file_as_well_as_per_byte():
+    from sandbox_provider.sandbox import batch_stream
+
+    rate = 8 * 1024 * 1024
+    few = batch_stream.transfer_allowance(10 * 1024**3, 10, rate)
+    many = batch_stream.transfer_allowance(10 * 1024**3, 100_000, rate)
+    assert few == pytest.approx(10 * 1024**3 / rate + 10 * batch_stream.SECONDS_PER_FILE)
+    assert many - few == pytest.approx((100_000 - 10) * batch_stream.SECONDS_PER_FILE)
+    assert batch_stream.transfer_allowance(1, 1, rate) == batch_stream.FILE_OP_TIMEOUT
+
+
 def test_files_staged_with_the_command_go_in_its_own_exec(hook, sandbox, monkeypatch):
     requests = Requests(monkeypatch)
     staged = [entry("job/in.txt", b"hello\n"), entry("/tmp/job.sh", b"cat job/in.txt; read line || echo eof\n")]
