@@ -6,12 +6,14 @@ ratio, and the figures are the median, min and max of those ratios.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["Comparison", "compare", "print_table"]
+__all__ = ["Comparison", "Row", "attempt", "compare", "load", "print_table", "print_rows"]
 
 
 @dataclass(frozen=True)
@@ -81,7 +83,43 @@ def compare(
     return Comparison(name, baseline_name, mine, theirs)
 
 
-def print_table(rows: list[tuple[Comparison, str]]) -> None:
-    """Print one line per comparison, with its goal."""
+#: One line of a table: the comparison and its goal (or a note).
+Row = tuple[Comparison, str]
+
+
+def load() -> str:
+    """The machine's load averages over 1, 5 and 15 minutes, as ``load 0.42/0.40/0.38``."""
+    one, five, fifteen = os.getloadavg()
+    return f"load {one:.2f}/{five:.2f}/{fifteen:.2f}"
+
+
+def attempt(name: str, measure: Callable[[], Row | list[Row]]) -> Iterator[Row]:
+    """
+    Yield the row (or rows) ``measure()`` returns; if it raises, print one line naming ``name`` and
+    the error (the traceback to standard error) and yield nothing, so the rows after it still run.
+    """
+    start = time.perf_counter()
+    try:
+        got = measure()
+    except Exception as err:  # a benchmark reports a failed row and goes on
+        print(
+            f"{name:<34} FAILED after {time.perf_counter() - start:.1f} s: {type(err).__name__}: {err}"[:400],
+            flush=True,
+        )
+        traceback.print_exc()
+        return
+    yield from (got if isinstance(got, list) else [got])
+
+
+def print_rows(rows: Iterable[Row]) -> list[Row]:
+    """Print each row as soon as it is measured (with the load at that moment); return them all."""
+    done: list[Row] = []
     for comparison, goal in rows:
-        print(comparison.row(goal), flush=True)
+        print(f"{comparison.row(goal)} [{load()}]", flush=True)
+        done.append((comparison, goal))
+    return done
+
+
+def print_table(rows: Iterable[Row]) -> None:
+    """Print one line per comparison, with its goal, each as it comes."""
+    print_rows(rows)
