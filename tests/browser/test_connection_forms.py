@@ -182,6 +182,10 @@ def screenshots() -> Path:
     return folder
 
 
+#: The egress gateway's settings as a person types them into the form's JSON editors.
+EGRESS = {"egress_ports": "[443, 8443]", "egress_pins": '{"mirror.corp.example": ["10.1.2.3", "10.1.2.4"]}'}
+
+
 def _local_ready(request, tmp_path_factory) -> dict[str, str]:
     state = tmp_path_factory.mktemp("sandbox-state")
     # As root the sandboxes run as an unprivileged user, who must pass through to the state root.
@@ -189,12 +193,12 @@ def _local_ready(request, tmp_path_factory) -> dict[str, str]:
         if str(folder) in ("/", "/tmp"):
             break
         folder.chmod(folder.stat().st_mode | 0o111)
-    return {"state_root": str(state / "sandboxes"), "sandbox_timeout": "600", "max_processes": "256"}
+    return {"state_root": str(state / "sandboxes"), "sandbox_timeout": "600", "max_processes": "256", **EGRESS}
 
 
 def _docker_ready(request, tmp_path_factory) -> dict[str, str]:
     request.getfixturevalue("docker_client")  # skips, or fails under SANDBOX_REQUIRE_DOCKER, without an Engine
-    return {"image": DOCKER_IMAGE, "pids_limit": "128", "sandbox_timeout": "600"}
+    return {"image": DOCKER_IMAGE, "pids_limit": "128", "sandbox_timeout": "600", **EGRESS}
 
 
 @dataclass(frozen=True)
@@ -244,13 +248,34 @@ def _fill_form(page, case: Case, conn_id: str, extras: dict[str, str], *, port: 
         dialog.screenshot(path=shots / f"{case.conn_type}-form-standard.png", animations="disabled")
     dialog.get_by_role("button", name="Extra Fields", exact=True).click()
     for name, spec in case.fields.items():
-        control = _field(dialog, spec["label"]).locator("input")
+        group = _field(dialog, spec["label"])
+        if _is_json(spec) or "enum" in spec["schema"]:  # a JSON editor or a list to pick from, the help below it
+            control = group.get_by_role("code") if _is_json(spec) else group.get_by_role("combobox")
+            expect(control, f"{name} has no editor").to_have_count(1)
+            expect(group, f"{name} has no help text").to_contain_text(spec["description"])
+            continue
+        control = group.locator("input")
         expect(control, f"{name} has no help text").to_have_accessible_description(spec["description"])
     for name, value in extras.items():
-        _field(dialog, case.fields[name]["label"]).locator("input").fill(value)
+        group = _field(dialog, case.fields[name]["label"])
+        if _is_json(case.fields[name]):
+            group.get_by_role("code").click()  # the editor's own input is a hidden element that takes the keys
+            page.keyboard.press("Control+A")
+            page.keyboard.press("Delete")
+            page.keyboard.insert_text(value)
+            # The editor closes an opened bracket itself, after the cursor: remove what it added.
+            page.keyboard.press("Shift+Control+End")
+            page.keyboard.press("Delete")
+        else:
+            group.locator("input").fill(value)
     if shots:
         dialog.screenshot(path=shots / f"{case.conn_type}-form-extra.png", animations="disabled")
     return dialog
+
+
+def _is_json(spec: dict) -> bool:
+    """Whether a form field takes a JSON list or object (Airflow shows a code editor for it)."""
+    return bool({"array", "object"} & set(spec["schema"]["type"]))
 
 
 def _test_in_row(page, conn_id: str):
@@ -286,7 +311,8 @@ def test_form_creates_a_connection_that_the_test_button_passes(
     assert stored["conn_type"] == conn_type
     saved = json.loads(stored["extra"])
     for name, value in extras.items():
-        assert str(saved[name]) == value, (name, saved)
+        expected = json.loads(value) if _is_json(case.fields[name]) else value
+        assert (saved[name] if _is_json(case.fields[name]) else str(saved[name])) == expected, (name, saved)
 
     toast, title, message, _ = _test_in_row(page, conn_id)
     page.screenshot(path=screenshots / f"{conn_type}-tested.png", animations="disabled")

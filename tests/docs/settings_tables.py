@@ -18,7 +18,14 @@ from pathlib import Path
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 MARKED = re.compile(r"(<!-- settings:(?P<module>[\w.]+) -->\n)(?P<body>.*?)(<!-- /settings -->)", re.S)
-_KIND = {int: "whole number", float: "number", str: "text", bool: "true / false"}
+_KIND = {
+    int: "whole number",
+    float: "number",
+    str: "text",
+    bool: "true / false",
+    list: "JSON list",
+    dict: "JSON object",
+}
 
 
 def _cell(text: str) -> str:

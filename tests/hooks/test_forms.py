@@ -35,6 +35,10 @@ def _sample(setting: Setting, tmp_path):
     """A valid value for ``setting`` that no default has, as the form would store it."""
     if setting.kind is bool:
         return not setting.default
+    if setting.kind is list:
+        return [8443, 443]
+    if setting.kind is dict:
+        return {"mirror.probe.example": ["10.1.2.3", "10.1.2.4"]}
     if setting.choices:
         return next(c for c in setting.choices if c != setting.default)
     if setting.kind is str:
@@ -65,7 +69,10 @@ def test_every_setting_the_hook_reads_has_a_field_and_every_field_is_read(conn_t
     resolved = cls(**{cls.conn_name_attr: conn_id})._resolved()
     # Every setting the hook resolved is a field, and every field's value reached the hook.
     assert set(resolved) - STANDARD == set(fields), set(resolved) ^ set(fields)
-    assert {name: resolved[name] for name in fields} == extra
+    # A list or dict extra reaches the hook in the shape it uses (tuples), as its setting checks it.
+    assert {name: resolved[name] for name in fields} == {
+        name: form.settings[name].check(value, name) for name, value in extra.items()
+    }
 
 
 def test_the_port_is_shown_for_the_test_button_only_where_airflow_needs_it(monkeypatch):

@@ -10,6 +10,7 @@ which settings the hook reads (:attr:`SettingsTable.read`), and refuse a name th
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import os
 import re
@@ -19,7 +20,14 @@ from typing import Any
 
 __all__ = ["TASK_SETTINGS", "ConnectionForm", "ResolvedSettings", "Setting", "SettingsTable"]
 
-_KINDS: dict[type, str] = {int: "integer", float: "number", str: "string", bool: "boolean"}
+_KINDS: dict[type, str] = {
+    int: "integer",
+    float: "number",
+    str: "string",
+    bool: "boolean",
+    list: "array",
+    dict: "object",
+}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -30,7 +38,7 @@ class Setting:
     One setting a backend reads.
 
     :param name: the hook argument and the connection extra of the same name.
-    :param kind: ``int``, ``float``, ``str`` or ``bool``.
+    :param kind: ``int``, ``float``, ``str``, ``bool``, or ``list`` / ``dict`` with ``parse``.
     :param default: the value when neither argument nor extra gives one; None for "not set".
     :param label: the form field's label.
     :param help: one or two sentences for the form and the hook's documentation: what it does and
@@ -42,6 +50,10 @@ class Setting:
     :param maximum: the largest value accepted (numbers).
     :param choices: the values accepted (strings).
     :param form: False for a setting with no form field (a hook argument only).
+    :param parse: for a ``list`` or ``dict`` setting: checks a value (a Python list or mapping; a
+        connection extra typed as JSON text is decoded first) and returns it in the shape the hook
+        uses, or raises ValueError saying what to give.
+    :param items: for a ``list`` setting: the JSON type of its entries, for the form's editor.
     """
 
     name: str
@@ -55,8 +67,12 @@ class Setting:
     choices: tuple[str, ...] | None = None
     form: bool = True
     default_text: str | None = None
+    parse: Callable[[Any], Any] | None = None
+    items: str | None = None
 
     def __post_init__(self) -> None:
+        if (self.kind in (list, dict)) != (self.parse is not None):
+            raise ValueError(f"Setting {self.name!r}: a list or dict setting needs parse=, and only one does.")
         if re.search(r"\bdefault\s*:", self.help, re.IGNORECASE):
             raise ValueError(
                 f"Setting {self.name!r}: its help states a default ({self.help!r}). Leave it out: the setting writes "
@@ -88,6 +104,8 @@ class Setting:
         """
         if value is None or (value == "" and self.kind is not str):
             return None
+        if self.parse is not None:
+            return self._parsed(value, where, strict)
         converted = self._convert(value, strict)
         if converted is None:
             raise ValueError(f"{where} must be {self._shape()}, got {value!r}.")
@@ -99,6 +117,30 @@ class Setting:
         if self.choices is not None and converted not in self.choices:
             raise ValueError(f"{where} must be one of {', '.join(map(repr, self.choices))}; got {value!r}.")
         return converted
+
+    def _parsed(self, value: Any, where: str, strict: bool) -> Any:
+        """A list or dict setting's value through ``parse``; an extra may be JSON text (a list also ``443, 8443``)."""
+        assert self.parse is not None
+        if isinstance(value, str) and not strict:
+            text = value.strip()
+            try:
+                value = json.loads(text)
+            except ValueError:
+                if self.kind is not list:
+                    raise ValueError(
+                        f"{where} must be a JSON object such as {self._example()}, got {value!r}."
+                    ) from None
+                value = [_scalar(part) for part in re.split(r"[\s,]+", text) if part]
+            if self.kind is list and isinstance(value, int) and not isinstance(value, bool):
+                value = [value]  # one port typed alone
+        try:
+            return self.parse(value)
+        except (ValueError, TypeError) as err:
+            message = str(err)
+            raise ValueError(message if where == self.name else f"{where}: {message}") from None
+
+    def _example(self) -> str:
+        return "[443, 8443]" if self.kind is list else '{"mirror.example.org": "10.1.2.3"}'
 
     def _convert(self, value: Any, strict: bool) -> Any:
         kind = self.kind
@@ -146,6 +188,8 @@ class Setting:
         """The ``conn-fields`` entry Airflow renders for this setting."""
         types = [_KINDS[self.kind], "null"]
         schema: dict[str, Any] = {"type": types}
+        if self.items is not None:
+            schema["items"] = {"type": self.items}
         if self.minimum is not None:
             schema["minimum"] = self.minimum
         if self.maximum is not None:
@@ -155,11 +199,18 @@ class Setting:
         return {"label": self.label or self.name, "schema": schema, "description": self.description}
 
     def _default_text(self) -> str:
+        if self.kind in (list, dict):
+            return json.dumps(list(self.default) if self.kind is list else dict(self.default))
         if self.kind is bool:
             return "true" if self.default else "false"
         if isinstance(self.default, float) and self.default.is_integer():
             return str(int(self.default))
         return str(self.default)
+
+
+def _scalar(text: str) -> Any:
+    """A whole number typed in a list extra (``443, 8443``) as a number; other text as it is."""
+    return int(text) if re.fullmatch(r"[+-]?\d+", text) else text
 
 
 def _one_of(setting: Setting) -> str:

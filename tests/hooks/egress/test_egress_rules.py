@@ -265,7 +265,7 @@ def test_the_connection_cap_is_checked_where_the_hooks_take_it():
         with pytest.raises(ValueError, match="egress_max_connections must be a whole number"):
             egress.check_max_connections(bad)
     assert LocalSandboxHook(egress_max_connections=8).egress_max_connections == 8
-    assert DockerSandboxHook("c").egress_max_connections == egress.MAX_CONNECTIONS
+    assert DockerSandboxHook(egress_max_connections=1024).egress_max_connections == 1024
     with pytest.raises(ValueError, match="egress_max_connections"):
         DockerSandboxHook("c", egress_max_connections=0)
     forward, _ = egress.docker_forward("/run/g", os.getpid(), 8)

@@ -6,6 +6,7 @@ Positive controls first (the listed name is reached), then every refusal.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -248,6 +249,38 @@ def test_bad_allowlists_are_refused_before_anything_is_made(make_hook):
         hook.create(spec=SandboxSpec(allow_egress_to_cidrs=["10.0.0.1/8"]))
     with pytest.raises(ValueError, match="TCP port"):
         LocalSandboxHook(egress_ports=[0])
+
+
+def test_the_gateway_settings_come_from_the_connection(add_connection, world, tmp_path):
+    # The Dag names only the connection: its extras give the gateway its pins and ports, as the form stores them.
+    def hook_of(conn_id, **extra):
+        paths = {"state_root": str(tmp_path / conn_id / "state"), "uid_lease_dir": str(tmp_path / conn_id / "ids")}
+        return LocalSandboxHook(add_connection(conn_id, "sandbox_local", extra={**paths, **extra}))
+
+    pinned = hook_of("egress_extras", egress_pins=world.pins, egress_ports=world.ports, egress_max_connections=9)
+    assert (pinned.egress_ports, pinned.egress_max_connections) == (tuple(world.ports), 9)
+    handle = pinned.create(spec=SandboxSpec(env=tls_env(), **world.spec_lists))
+    try:
+        assert_battery(pinned, handle, world)
+        with open(os.path.join(gateway_dir(pinned, handle), egress.CONFIG)) as f:
+            config = json.load(f)
+        assert (config["max_connections"], config["policy"]["ports"]) == (9, world.ports)
+    finally:
+        pinned.destroy(handle)
+    # Control: the same connection without the pins resolves the test names, which lead nowhere: refused.
+    unpinned = hook_of("egress_no_pins", egress_ports=world.ports)
+    handle = unpinned.create(spec=SandboxSpec(env=tls_env(), allow_egress_to=[LISTED]))
+    try:
+        assert run(unpinned, handle, f"curl -sS {shlex.quote(world.url(LISTED))}").stdout != "reached tls\n"
+    finally:
+        unpinned.destroy(handle)
+    # A value the gateway cannot use fails the create before anything is made, naming the connection and extra.
+    bad = hook_of("egress_bad_pin", egress_pins={LISTED: "not-an-address"})
+    with pytest.raises(SandboxTerminalError, match=r"Connection 'egress_bad_pin' extra 'egress_pins'.*IP address"):
+        bad.create(spec=SandboxSpec(allow_egress_to=[LISTED]))
+    assert not (tmp_path / "egress_bad_pin" / "state").exists()
+    # An argument wins over the extra.
+    assert LocalSandboxHook("egress_extras", egress_ports=[8443]).egress_ports == (8443,)
 
 
 def test_the_tool_description_says_what_passes(make_hook):

@@ -78,7 +78,6 @@ TAGS_MAX_BYTES = 64 * 1024
 TAGS_FILE = driver.STATE_DIR + "/tags.json"
 #: Stamps fixed as labels when the container is created.
 _LABEL_STAMPS = (OWNER_TAG, EXPIRES_AT_TAG, NETWORK_TAG, WORKDIR_TAG, *TRACE_TAGS)
-_PULL_POLICIES = ("missing", "never", "always")
 #: How messages name the Engine of a connection without a host.
 _DEFAULT_ENGINE = "the Docker Engine that DOCKER_HOST or the local socket names"
 
@@ -96,15 +95,6 @@ class DockerSandboxHook(GatewayEgress, DockerExec, StreamFiles, ShellFiles, Atta
     settings below, which the hook arguments override.
 
     :param sandbox_conn_id: the Airflow connection to read.
-    :param pull: ``"missing"`` (default) pulls an image the Engine lacks, ``"never"`` refuses,
-        ``"always"`` pulls before each create.
-    :param egress_ports: the ports hosts of ``allow_egress_to`` are reached on (default ``[443]``);
-        ranges of ``allow_egress_to_cidrs`` are reached on any port.
-    :param egress_pins: hostname -> address (or list of them) that the egress gateway uses instead
-        of resolving the name, trusted even in private or loopback ranges (an internal mirror, a
-        test server); the name must still be listed in ``allow_egress_to``.
-    :param egress_max_connections: the most connections a sandbox's egress gateway holds at once
-        (default 64, at most 1024); past it a connection is refused (HTTP 503) and the task log says so.
     :raises ValueError: for a setting out of bounds or an unknown pull policy.
     """
 
@@ -147,23 +137,17 @@ class DockerSandboxHook(GatewayEgress, DockerExec, StreamFiles, ShellFiles, Atta
         sandbox_uid: int | None = None,
         run_as_root: bool | None = None,
         disk_bytes: int | None = None,
-        pull: str = "missing",
-        egress_ports: Sequence[int] = egress.DEFAULT_PORTS,
+        pull: str | None = None,
+        egress_ports: Sequence[int] | None = None,
         egress_pins: Mapping[str, Any] | None = None,
-        egress_max_connections: int = egress.MAX_CONNECTIONS,
+        egress_max_connections: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         if not isinstance(sandbox_conn_id, str) or not sandbox_conn_id.strip():
             raise ValueError(f"sandbox_conn_id must be a connection id, got {sandbox_conn_id!r}.")
-        if pull not in _PULL_POLICIES:
-            raise ValueError(f"pull must be one of {', '.join(_PULL_POLICIES)}; got {pull!r}.")
         self.sandbox_conn_id = sandbox_conn_id
         self._args = self.settings.arguments(locals())
-        self.pull = pull
-        self.egress_ports = egress.check_ports(egress_ports)
-        self.egress_pins = egress.host_pins(egress_pins)
-        self.egress_max_connections = egress.check_max_connections(egress_max_connections)
         self._lock = threading.Lock()
         self._client_obj: docker.DockerClient | None = None
         self._settings_obj: dict[str, Any] | None = None
@@ -175,6 +159,11 @@ class DockerSandboxHook(GatewayEgress, DockerExec, StreamFiles, ShellFiles, Atta
         self._read_backs: dict[str, tuple[str, bytes]] = {}
 
     # -- connection ------------------------------------------------------------------------------------
+
+    @property
+    def pull(self) -> str:
+        """When a missing image is pulled: ``missing``, ``never`` or ``always`` (the ``pull`` setting)."""
+        return str(self._resolved()["pull"])
 
     def _resolved(self) -> dict[str, Any]:
         if self._settings_obj is not None:

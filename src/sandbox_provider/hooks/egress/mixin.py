@@ -16,22 +16,41 @@ __all__ = ["GatewayEgress"]
 class GatewayEgress:
     """
     Mixin for a ``SandboxHook`` that enforces ``allow_egress_to`` and ``allow_egress_to_cidrs``
-    through :mod:`sandbox_provider.hooks.egress`. The hook sets ``egress_ports`` and
-    ``egress_pins`` (checked with :func:`~sandbox_provider.hooks.egress.check_ports` and
-    :func:`~sandbox_provider.hooks.egress.host_pins`) and ``egress_max_connections``
-    (:func:`~sandbox_provider.hooks.egress.check_max_connections`) in its constructor.
+    through :mod:`sandbox_provider.hooks.egress`. The hook's settings table has the gateway's settings
+    (``hooks/forms/_egress.py``: ``egress_ports``, ``egress_pins``, ``egress_max_connections``), so
+    each is a hook argument and a connection extra; the properties below read the resolved value.
     """
 
     #: Whether the forwarder enters the sandbox's namespace from the worker (nsenter, as root).
     egress_from_outside: ClassVar[bool] = False
-    egress_ports: tuple[int, ...] = egress.DEFAULT_PORTS
-    egress_pins: Mapping[str, tuple[str, ...]] = {}
-    egress_max_connections: int = egress.MAX_CONNECTIONS
+
+    @property
+    def egress_ports(self) -> tuple[int, ...]:
+        """The ports listed hosts are reached on (the hook argument, else the connection's extra, else ``(443,)``)."""
+        return tuple(self._resolved()["egress_ports"])  # type: ignore[attr-defined]
+
+    @property
+    def egress_pins(self) -> Mapping[str, tuple[str, ...]]:
+        """Hostname -> the addresses the gateway uses for it instead of resolving it; empty by default."""
+        return self._resolved()["egress_pins"] or {}  # type: ignore[attr-defined]
+
+    @property
+    def egress_max_connections(self) -> int:
+        """The most connections one sandbox's gateway holds at once (default 64)."""
+        return int(self._resolved()["egress_max_connections"])  # type: ignore[attr-defined]
+
+    def _egress_argument(self, name: str) -> object:
+        """A gateway setting as the hook was given it, else its default: what is known without the connection."""
+        value = self._args.get(name)  # type: ignore[attr-defined]
+        return self.settings[name].default if value is None else value  # type: ignore[attr-defined]
 
     def _refusal(self, spec: SandboxSpec) -> str | None:
         name = str(getattr(self, "display_name", "sandbox"))
         outside = self.egress_from_outside
-        reason = egress.refusal(name, spec, ports=self.egress_ports, pins=self.egress_pins, nsenter=outside)
+        # Nothing is contacted here (it runs at parse time too): the connection's values are checked as they are read.
+        ports = self._egress_argument("egress_ports")
+        pins = self._egress_argument("egress_pins")
+        reason = egress.refusal(name, spec, ports=ports, pins=pins, nsenter=outside)  # type: ignore[arg-type]
         if reason is None and spec.has_allowlist and outside and os.geteuid() != 0:
             reason = (
                 f"The {name} backend enforces allow_egress_to and allow_egress_to_cidrs through an egress gateway "

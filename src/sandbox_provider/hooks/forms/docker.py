@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sandbox_provider.hooks.forms._egress import EGRESS_SETTINGS
 from sandbox_provider.sandbox.settings import ConnectionForm, Setting, SettingsTable
 
 DEFAULT_IMAGE = "python:3.12-slim"
@@ -19,7 +20,7 @@ SETTINGS = SettingsTable(
         DEFAULT_IMAGE,
         label="Default image",
         help="Image the sandboxes run; it needs sh, sleep, cp, chmod, chown, mkdir and coreutils timeout. When the Engine does not have it, "
-        "it is pulled from its registry (the hook's pull='missing'): an Engine without registry access needs an "
+        "it is pulled from its registry (unless pull is never): an Engine without registry access needs an "
         "image it already has, e.g. airflow-sandbox-python:bookworm from scripts/docker/prepare.sh.",
     ),
     Setting(
@@ -112,6 +113,18 @@ SETTINGS = SettingsTable(
         help="Check the daemon's certificate.",
         default_text="checked when a CA certificate is given",
     ),
+    Setting(
+        "pull",
+        str,
+        "missing",
+        label="Image pull policy",
+        help=(
+            "When the Engine pulls a sandbox's image from its registry: missing (only when it lacks the image), "
+            "never (refuse an image it lacks: for an Engine without registry access) or always (before each create)."
+        ),
+        choices=("missing", "never", "always"),
+    ),
+    *EGRESS_SETTINGS,
 )
 UI_BEHAVIOUR = {
     "hidden-fields": ["port", "schema"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sandbox_provider.hooks.forms._egress import EGRESS_SETTINGS
 from sandbox_provider.sandbox.settings import ConnectionForm, Setting, SettingsTable
 
 DEFAULT_SANDBOX_TIMEOUT = 3600.0
@@ -131,6 +132,7 @@ SETTINGS = SettingsTable(
         help="Where the sandboxes' cgroups go: a relative path lies under the worker's own cgroup, an absolute "
         "one is a path from the hierarchy's root (a delegated cgroup on cgroup v2).",
     ),
+    *EGRESS_SETTINGS,
 )
 UI_BEHAVIOUR = {"hidden-fields": ["host", "port", "schema", "login", "password"]}
 

@@ -83,13 +83,6 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         connection when it exists, else none. A connection named here must exist.
     :param workdir: where the workspace is mounted inside; relative paths resolve there.
     :param bwrap_path: the bubblewrap program, by name or path.
-    :param egress_ports: the ports hosts of ``allow_egress_to`` are reached on (default ``[443]``);
-        ranges of ``allow_egress_to_cidrs`` are reached on any port.
-    :param egress_pins: hostname -> address (or list of them) that the egress gateway uses instead
-        of resolving the name, trusted even in private or loopback ranges (an internal mirror, a
-        test server); the name must still be listed in ``allow_egress_to``.
-    :param egress_max_connections: the most connections a sandbox's egress gateway holds at once
-        (default 64, at most 1024); past it a connection is refused (HTTP 503) and the task log says so.
     :raises ValueError: for a bad argument (a non-positive limit, a relative workdir, a bad range).
     """
 
@@ -142,9 +135,9 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         uid_lease_dir: str | os.PathLike[str] | None = None,
         cgroup_parent: str | None = None,
         bwrap_path: str = "bwrap",
-        egress_ports: Sequence[int] = egress.DEFAULT_PORTS,
+        egress_ports: Sequence[int] | None = None,
         egress_pins: Mapping[str, Any] | None = None,
-        egress_max_connections: int = egress.MAX_CONNECTIONS,
+        egress_max_connections: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -156,9 +149,6 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
             cgroups_mod.check_parent(cgroup_parent)
         self.workdir = driver.check_local_workdir(workdir)
         self.bwrap_path = bwrap_path
-        self.egress_ports = egress.check_ports(egress_ports)
-        self.egress_pins = egress.host_pins(egress_pins)
-        self.egress_max_connections = egress.check_max_connections(egress_max_connections)
         self._settings: dict[str, Any] | None = None
         self._leases_swept = 0.0
         self._bwrap_found: str | None = None
