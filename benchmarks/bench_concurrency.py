@@ -88,7 +88,10 @@ def burst(count: int, one: Callable[[], None], errors: Errors) -> None:
 
 
 def hook_life(make_hook: Callable[[], object], errors: Errors) -> Callable[[], None]:
-    """One task's sandbox: a hook of its own, create, ``echo ok``, destroy (destroy also after a failed command)."""
+    """
+    One task's sandbox: a hook of its own, create, ``echo ok``, destroy (destroy also after a failed
+    command) as a task's session does it, not waiting for the removal (``wait=False``).
+    """
 
     def one() -> None:
         hook = make_hook()
@@ -100,7 +103,7 @@ def hook_life(make_hook: Callable[[], object], errors: Errors) -> Callable[[], N
                     f"command: exit {result.exit_code}, stdout {result.stdout[:80]!r}, stderr {result.stderr[:80]!r}"
                 )
         finally:
-            hook.destroy(handle)
+            floors.destroy_as_a_task_does(hook, handle)
 
     return one
 
@@ -151,6 +154,7 @@ class LocalSide(_Bursts):
         warm_up(self)
 
     def leftovers(self) -> dict[str, int]:
+        floors.join_local_removals()
         return floors.local_leftovers(self.root, self.parent)
 
     def close(self) -> str:

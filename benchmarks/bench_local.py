@@ -4,7 +4,8 @@ Benchmark the local (bubblewrap) backend against the raw tools, measured in the 
     .venv/bin/python benchmarks/bench_local.py [--runs 21] [--export-mib 1024] [--reuse-hook]
 
 Prints:
-- create + run ``true`` + destroy with a new hook per sandbox (as every task process builds its own;
+- create + run ``true`` + destroy (not waiting for the removal, as a task's session does) with a new
+  hook per sandbox (as every task process builds its own;
   ``--reuse-hook``: one hook for every round), against a raw ``bwrap ... true`` with the same
   namespaces and mounts, as the same kind of user, its output captured as the backend captures a
   command's (``floors.raw_bwrap``, the floor every benchmark shares), interleaved
@@ -73,7 +74,7 @@ def lifecycle_row(hook: LocalSandboxHook, root: str, *, rounds: int, reuse_hook:
         handle = task_hook.create(spec=SandboxSpec())
         result = task_hook.run_command(handle, "true", timeout=30, max_output_bytes=1024)
         assert result.ok, result.stderr
-        task_hook.destroy(handle)
+        floors.destroy_as_a_task_does(task_hook, handle)  # the removal goes on in a thread
 
     def floor() -> None:
         raw(["true"]).check_returncode()
@@ -162,6 +163,7 @@ def main() -> None:
         if not args.no_export:
             export_rows(hook, root, export_mib=args.export_mib)
     finally:
+        floors.join_local_removals()
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -97,6 +97,27 @@ with DAG("chatty", schedule=None):
 """
 
 
+def run_real_task(env: dict[str, str], dag_file: Path, dag_id: str, task_id: str, run_id: str, log: Path):
+    """
+    Run one try of ``task_id`` as a worker does (``tests/task_process.py``), its log at ``log`` (under the
+    instance's ``logs/``); return the log's events and the seconds its ``bench: took <seconds>`` lines give.
+
+    :raises RuntimeError: when the task failed or logged no time, with the end of its log.
+    """
+    relative = log.relative_to(log.parents[1])
+    done = subprocess.run(
+        [sys.executable, str(HARNESS), str(dag_file), dag_id, task_id, run_id, "1", str(relative)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    events = [json.loads(line).get("event", "") for line in log.read_text().splitlines() if line.startswith("{")]
+    took = [float(e.split()[-1]) for e in events if str(e).startswith("bench: took ")]
+    if done.returncode != 0 or not took:
+        raise RuntimeError(f"{task_id} failed ({done.returncode}): {events[-20:]} {done.stderr[-2000:]}")
+    return events, took
+
+
 class Instance:
     """An Airflow home of its own, with a migrated database, the Dag above and a log folder."""
 
@@ -114,17 +135,7 @@ class Instance:
         self.runs += 1
         run_id = f"bench-{self.runs}"
         log = self.root / "logs" / run_id / f"{task_id}.log"
-        done = subprocess.run(
-            [sys.executable, str(HARNESS), str(self.root / "dags" / "chatty.py"), "chatty", task_id, run_id, "1"]
-            + [f"{run_id}/{task_id}.log"],
-            env=self.env,
-            capture_output=True,
-            text=True,
-        )
-        events = [json.loads(line).get("event", "") for line in log.read_text().splitlines() if line.startswith("{")]
-        took = [float(e.split()[-1]) for e in events if str(e).startswith("bench: took ")]
-        if done.returncode != 0 or not took:
-            raise RuntimeError(f"{task_id} failed ({done.returncode}): {events[-20:]} {done.stderr[-2000:]}")
+        events, took = run_real_task(self.env, self.root / "dags" / "chatty.py", "chatty", task_id, run_id, log)
         output = [e.split(" ", 1)[1] for e in events if str(e).startswith(("[stdout] ", "[stderr] "))]
         return {
             "seconds": took[0],

@@ -135,6 +135,25 @@ def raw_bwrap(root: str) -> Callable[[Sequence[str]], subprocess.CompletedProces
     return run
 
 
+def destroy_as_a_task_does(hook, handle: str) -> None:
+    """``hook.destroy(handle, wait=False)``, as a task's session destroys; a tree from before issue 32 has no ``wait``."""
+    import inspect
+
+    if "wait" in inspect.signature(hook.destroy).parameters:
+        hook.destroy(handle, wait=False)
+    else:
+        hook.destroy(handle)
+
+
+def join_local_removals(timeout: float = 60.0) -> None:
+    """Wait for the local sandboxes' removals this process still runs (``destroy(wait=False)`` leaves them)."""
+    try:
+        from sandbox_provider.hooks.local.hook import wait_for_removals
+    except ImportError:  # a tree of the provider from before issue 32: its destroy waits
+        return
+    wait_for_removals(timeout)
+
+
 def local_leftovers(root: str, cgroup_parent: str) -> dict[str, int]:
     """
     What is left of the local sandboxes of a run: entries of its state root, id leases whose

@@ -158,6 +158,23 @@ def docker_client():
     client.close()
 
 
+def container_gone(client, handle: str, *, within: float = 0.0) -> bool:
+    """Whether the Engine has no container ``handle``, looking again for up to ``within`` seconds."""
+    import time
+
+    import docker.errors
+
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            client.api.inspect_container(handle)
+        except docker.errors.NotFound:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
+
+
 @pytest.fixture(scope="session")
 def docker_conn(docker_client):
     """An Airflow connection of type sandbox_docker for the local Engine and the test image."""

@@ -19,6 +19,7 @@ from conftest import requires_bwrap
 from fake_hook import FakeSandboxHook
 from sandbox_provider.engine.storage import check_storage_url
 from sandbox_provider.engine.transfer import check_transfer_map
+from sandbox_provider.hooks.local.hook import wait_for_removals
 from sandbox_provider.operators.sandbox import SandboxOperator
 from sandbox_provider.sandbox import SandboxSession, SandboxSpec, SandboxTerminalError
 
@@ -267,7 +268,7 @@ def test_bad_members_of_a_directory_input_are_refused_before_provisioning(hook, 
         run_operator(hook, inputs={"data": folder.as_uri() + "/"})
     assert hook.provisioned == []
     if (tmp_path / "state").exists():  # the local backend's state root: no sandbox directory either
-        assert os.listdir(tmp_path / "state") == []
+        assert wait_for_removals() and os.listdir(tmp_path / "state") == []
 
 
 def test_a_directory_input_without_bad_members_provisions_once(tmp_path):

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from sandbox_provider.hooks.local import LocalSandboxHook
+from sandbox_provider.hooks.local.hook import wait_for_removals
 from sandbox_provider.sandbox import SandboxSession, SandboxSpec, SandboxTerminalError
 from sandbox_provider.sandbox.spec import HOLDER_TAG
 
@@ -19,6 +20,7 @@ def hook(tmp_path):
 
 
 def sandboxes(hook):
+    wait_for_removals()  # a session's destroy does not wait for the files to go
     return sorted(os.listdir(hook.state_root)) if os.path.isdir(hook.state_root) else []
 
 

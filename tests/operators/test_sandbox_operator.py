@@ -13,6 +13,7 @@ from airflow.sdk.exceptions import AirflowSkipException
 
 from conftest import requires_bwrap
 from sandbox_provider.hooks.local import LocalSandboxHook
+from sandbox_provider.hooks.local.hook import wait_for_removals
 from sandbox_provider.operators.sandbox import TAIL_CHARS, SandboxCommandError, SandboxOperator
 from sandbox_provider.sandbox import SandboxSpec, SandboxTerminalError, dag_run_owner
 from sandbox_provider.sandbox.spec import HOLDER_TAG, OWNER_TAG
@@ -39,6 +40,7 @@ def hook(tmp_path):
 
 
 def sandboxes(hook):
+    wait_for_removals()  # a task's destroy does not wait for the files to go
     return sorted(os.listdir(hook.state_root)) if os.path.isdir(hook.state_root) else []
 
 
@@ -197,7 +199,7 @@ def test_connection_id_is_resolved_when_the_task_runs(add_connection, tmp_path):
     add_connection("my_sandbox", "sandbox_local", extra={"state_root": str(state)})
     op = SandboxOperator(task_id="t", backend="my_sandbox", command="echo $HOME")
     assert op.execute(make_context())["stdout"] == "/workspace\n"
-    assert state.is_dir() and os.listdir(state) == []
+    assert wait_for_removals() and state.is_dir() and os.listdir(state) == []
 
 
 def test_unknown_connection_type_fails_before_provisioning(add_connection, monkeypatch):

@@ -698,7 +698,8 @@ class SandboxSession:
         if destroy:
             try:
                 with metrics.timed("destroy", self.hook):
-                    self.hook.destroy(handle, reason=reason)
+                    # Nothing of this task depends on the removal itself: it may finish after the result is sent.
+                    self.hook.destroy(handle, reason=reason, wait=False)
                 log.info("Destroyed sandbox %s on backend %s, with its files and processes", handle, self.hook.name)
             except Exception:
                 log.warning(

@@ -789,12 +789,17 @@ class SandboxHook(BaseHook):
         arguments.update({name: value for name, value in dict(given).items() if value is not None})
         return arguments
 
-    def destroy(self, handle: str, *, reason: str | None = None) -> None:
+    def destroy(self, handle: str, *, reason: str | None = None, wait: bool = True) -> None:
         """
         Remove the sandbox and everything in it. Destroying a sandbox that is gone is not an error.
 
         :param reason: why, as words that follow "destroyed because" would (``"the task was stopped"``);
             a command still running in it then fails saying so. Default: destroyed by this worker.
+        :param wait: True (the default): return once everything of it is removed. False: return once
+            it has ended (nothing of it runs any more, and no caller reaches it); the removal of what
+            is left (its files, its container) may finish afterwards, which the backend still
+            guarantees (its lifetime, its sweep). For a caller that depends on nothing of it being
+            left, such as a count of leftovers, keep True.
         """
         handle = self.check_handle(handle)
         # Recorded first: a command failing meanwhile (on another thread) must already find the reason.
@@ -804,11 +809,21 @@ class SandboxHook(BaseHook):
         while len(self._destroyed_because) > 256:
             self._destroyed_because.pop(next(iter(self._destroyed_because)))
         try:
-            self._destroy(handle)
+            if wait:
+                self._destroy(handle)
+            else:
+                self._end(handle)
         except BaseException:
             self._destroyed_because.pop(handle, None)
             raise
         self._known_expiry.pop(handle, None)
+
+    def _end(self, handle: str) -> None:
+        """
+        :meth:`destroy` without waiting (``wait=False``): end the sandbox now, and leave the removal
+        of what is left to finish afterwards. Default: :meth:`_destroy`, the whole removal now.
+        """
+        self._destroy(handle)
 
     def find_sandboxes(self, stamps: Mapping[str, str]) -> dict[str, dict[str, str]]:
         """

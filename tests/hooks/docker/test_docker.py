@@ -33,7 +33,7 @@ from sandbox_provider.sandbox.spec import (
 docker = pytest.importorskip("docker")
 
 from conftest import DOCKER_CONN_ID as CONN_ID  # noqa: E402
-from conftest import DOCKER_IMAGE  # noqa: E402
+from conftest import DOCKER_IMAGE, container_gone  # noqa: E402
 from escapes import COMMAND_ENDS, DAEMON_ESCAPES  # noqa: E402
 from sandbox_provider.hooks.docker import driver  # noqa: E402
 from sandbox_provider.hooks.docker.hook import (  # noqa: E402
@@ -578,6 +578,17 @@ def test_destroy_twice_and_use_after_destroy(docker_hook, docker_client):
         docker_hook.destroy("some-other-container")
 
 
+def test_a_destroy_that_does_not_wait_stops_the_container_and_the_engine_removes_it(docker_hook, docker_client):
+    """``destroy(wait=False)``: stopped when it returns (nothing of it runs), removed by the Engine a moment later."""
+    handle = docker_hook.create()
+    assert sh(docker_hook, handle, "true").ok
+    docker_hook.destroy(handle, wait=False)
+    _stopped_then_gone(docker_client, handle)
+    with pytest.raises(SandboxTerminalError, match="this worker destroyed it"):
+        sh(docker_hook, handle, "true")
+    docker_hook.destroy(handle, wait=False)  # gone: not an error
+
+
 def test_handles_cannot_reach_another_container(docker_hook, docker_client):
     # The SDK puts a handle into the request path unescaped and the Engine resolves "..", so a
     # handle with the right prefix and a traversal would name any container on the Engine.
@@ -713,8 +724,8 @@ def test_session_provisions_stages_exports_and_hands_over(docker_conn, docker_cl
             assert later.read_file("out.txt", max_bytes=100) == b"A,B\n1,2\n"
         assert target.read_bytes() == b"A,B\n1,2\n"
         assert [p.name for p in target.parent.iterdir()] == ["out.txt"]
-        with pytest.raises(docker.errors.NotFound):
-            docker_client.api.inspect_container(handle)
+        # The session's destroy stops the container and leaves its removal to the Engine (auto-remove).
+        _stopped_then_gone(docker_client, handle)
     finally:
         hook.destroy(handle)
 
@@ -738,3 +749,12 @@ def test_flights_example_runs_on_docker(docker_conn, migrated_airflow_db, tmp_pa
     expected = independent_carrier_stats()
     assert {c: int(r["flights"]) for c, r in rows.items()} == {c: v["flights"] for c, v in expected.items()}
     assert {c: int(r["cancelled"]) for c, r in rows.items()} == {c: v["cancelled"] for c, v in expected.items()}
+
+
+def _stopped_then_gone(client, handle: str) -> None:
+    """The container ``handle`` runs no more (or is gone already), and the Engine removes it within 30 s."""
+    try:
+        assert client.api.inspect_container(handle)["State"]["Running"] is False
+    except docker.errors.NotFound:
+        return
+    assert container_gone(client, handle, within=30), f"{handle} is still on the Engine 30 s after it was destroyed"

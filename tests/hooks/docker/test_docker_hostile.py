@@ -35,7 +35,7 @@ from sandbox_provider.sandbox.spec import (
 
 docker = pytest.importorskip("docker")
 
-from conftest import DOCKER_IMAGE  # noqa: E402
+from conftest import DOCKER_IMAGE, container_gone  # noqa: E402
 from sandbox_provider.hooks.docker import driver  # noqa: E402
 from sandbox_provider.hooks.docker.exec import DEADLINE_GRACE  # noqa: E402
 from sandbox_provider.hooks.docker.hook import SANDBOX_LABEL, DockerSandboxHook  # noqa: E402
@@ -59,11 +59,7 @@ def user_processes(client, handle: str) -> list[str]:
 
 
 def gone(client, handle: str) -> bool:
-    try:
-        client.api.inspect_container(handle)
-    except docker.errors.NotFound:
-        return True
-    return False
+    return container_gone(client, handle)
 
 
 def owned_by(client, owner: str) -> list[dict]:

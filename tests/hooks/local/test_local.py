@@ -11,6 +11,7 @@ import pytest
 
 from conftest import requires_bwrap
 from sandbox_provider.hooks.local import LocalSandboxHook
+from sandbox_provider.hooks.local.hook import wait_for_removals
 from sandbox_provider.sandbox import SandboxError, SandboxFileTooLargeError, SandboxSpec, SandboxTerminalError
 from sandbox_provider.sandbox.spec import EXPIRES_AT_TAG, HOLDER_TAG
 
@@ -451,16 +452,7 @@ class TestLifetimeAndAttach:
 
     def test_destroy_kills_running_command(self, hook):
         handle = hook.create()
-        results = []
-        thread = threading.Thread(
-            target=lambda: results.append(run(hook, handle, "touch started; sleep 60", timeout=120))
-        )
-        thread.start()
-        started = os.path.join(hook.state_root, handle, "workspace", "started")
-        for _ in range(400):
-            if os.path.exists(started):
-                break
-            time.sleep(0.05)
+        thread, results = _sleeping_command(hook, handle)
         LocalSandboxHook(state_root=hook.state_root).destroy(handle)  # another task's hook
         thread.join(timeout=20)
         assert not thread.is_alive()
@@ -469,6 +461,35 @@ class TestLifetimeAndAttach:
     def test_destroy_kills_running_command_without_cgroups(self, tmp_path, monkeypatch):
         monkeypatch.setattr(LocalSandboxHook, "_cgroups", lambda self: None)
         self.test_destroy_kills_running_command(LocalSandboxHook(state_root=str(tmp_path / "state")))
+
+    @pytest.mark.parametrize("cgroups", [True, False], ids=["cgroup", "no-cgroup"])
+    def test_a_destroy_that_does_not_wait_ends_the_sandbox_before_it_returns(self, tmp_path, monkeypatch, cgroups):
+        """
+        ``destroy(wait=False)`` (a session's last step): when it returns, nothing of the sandbox runs and
+        no caller reaches it; its files and user id go a moment later, in a thread of the worker.
+        """
+        if not cgroups:
+            monkeypatch.setattr(LocalSandboxHook, "_cgroups", lambda self: None)
+        hook = LocalSandboxHook(state_root=str(tmp_path / "state"))
+        handle = hook.create()
+        uid = hook.uid_of(handle)
+        thread, results = _sleeping_command(hook, handle)
+        if os.geteuid() == 0:
+            assert _pids_of_uid(uid)  # the control: its command runs as its own user
+        LocalSandboxHook(state_root=hook.state_root).destroy(handle, wait=False)  # another task's hook
+        with pytest.raises(SandboxTerminalError):
+            hook.read_tags(handle)
+        if os.geteuid() == 0:  # everything of it was killed before destroy returned: gone within moments
+            deadline = time.monotonic() + 5
+            while _pids_of_uid(uid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _pids_of_uid(uid) == []
+        thread.join(timeout=20)
+        assert results and results[0].sandbox_terminated
+        assert wait_for_removals(30)
+        assert os.listdir(hook.state_root) == []
+        leases = hook._leases()
+        assert leases is None or uid not in leases.leases()
 
 
 class TestConnection:
@@ -501,3 +522,30 @@ class TestConnection:
     def test_unusable_state_root_is_terminal(self):
         with pytest.raises(SandboxTerminalError, match="state_root"):
             LocalSandboxHook(state_root="/etc/passwd").create()
+
+
+def _sleeping_command(hook, handle: str) -> tuple[threading.Thread, list]:
+    """A command sleeping in the sandbox, in a thread, once it has started; its result goes into the list."""
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(run(hook, handle, "touch started; sleep 60", timeout=120)))
+    thread.start()
+    started = os.path.join(hook.state_root, handle, "workspace", "started")
+    for _ in range(400):
+        if os.path.exists(started):
+            break
+        time.sleep(0.05)
+    return thread, results
+
+
+def _pids_of_uid(uid: int) -> list[int]:
+    """The processes whose real user id is ``uid``, but for zombies (ended, waiting to be reaped)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        if int(fields.get("Uid", "-1 ").split()[0]) == uid and not fields.get("State", "").strip().startswith("Z"):
+            found.append(int(pid))
+    return found

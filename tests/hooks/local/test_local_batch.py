@@ -59,7 +59,6 @@ def _session(hook, **options):
 
 def test_directories_move_in_one_launch_each_way(counted, tmp_path):
     hook, launches = counted
-    hook.destroy(hook.create())  # the probe of this worker, out of the way
     source = tmp_path / "in"
     _tree(source, {f"d{i % 7}/f{i}.txt": f"file {i}" for i in range(300)})
     (source / "link.txt").symlink_to(source / "d0" / "f0.txt")  # the worker follows the Dag author's links
@@ -188,7 +187,6 @@ def add(a, b):
 
 def test_task_sandbox_takes_one_launch(counted):
     hook, launches = counted
-    hook.destroy(hook.create())  # the worker's one probe
     ti = mock.MagicMock(dag_id="d", run_id="r", task_id="add", map_index=-1)
     with DAG("d", schedule=None) as dag:
         add.override(backend=hook)(2, 3)
@@ -197,13 +195,38 @@ def test_task_sandbox_takes_one_launch(counted):
     assert launches() - before == 1  # files and command in one; the result read from the worker's side
 
 
-def test_the_probe_runs_once_per_worker_process(counted):
+def test_a_create_launches_nothing_the_first_command_is_the_probe(counted):
     hook, launches = counted
-    hook.destroy(hook.create())
-    first = launches()
-    again = LocalSandboxHook(state_root=hook.state_root, bwrap_path=hook.bwrap_path)
-    again.destroy(again.create())
-    assert first == 1 and launches() == first  # a new hook, the same worker: no second probe
+    handle = hook.create()
+    assert launches() == 0  # no test launch of bwrap in the task: the first real launch shows it works
+    assert hook.run_command(handle, "echo ok", timeout=30, max_output_bytes=99).stdout == "ok\n"
+    assert launches() == 1
+    hook.destroy(handle)
+
+
+def test_a_worker_where_bubblewrap_cannot_build_a_sandbox_fails_the_first_command_with_its_reason(tmp_path):
+    """
+    The create no longer launches bwrap to see whether it works here; the first command is that
+    launch, and a bwrap that cannot build the sandbox fails it saying why (a terminal error, never a
+    command's exit status). The control: the same hook with the real bwrap runs the command.
+    """
+    from sandbox_provider.sandbox import SandboxTerminalError
+
+    broken = tmp_path / "bin" / "bwrap"
+    broken.parent.mkdir()
+    broken.write_text("#!/bin/sh\necho 'bwrap: No permissions to create new namespace' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    os.chmod(tmp_path / "bin", 0o755)
+    real = LocalSandboxHook(state_root=str(tmp_path / "state"))
+    handle = real.create()
+    assert real.run_command(handle, "echo ok", timeout=30, max_output_bytes=99).ok
+    real.destroy(handle)
+    hook = LocalSandboxHook(state_root=str(tmp_path / "state"), bwrap_path=str(broken))
+    handle = hook.create()
+    with pytest.raises(SandboxTerminalError, match="could not set up the sandbox.*No permissions to create new"):
+        hook.run_command(handle, "echo ok", timeout=30, max_output_bytes=99)
+    hook.destroy(handle)
+    assert os.listdir(tmp_path / "state") == []
 
 
 def test_a_big_local_input_is_copied_whole(hook_and_sandbox, tmp_path):
@@ -218,3 +241,77 @@ def test_a_big_local_input_is_copied_whole(hook_and_sandbox, tmp_path):
     out = hook.run_command(handle, "sha256sum big.bin; stat -c %a big.bin", timeout=30, max_output_bytes=999)
     assert out.stdout.split()[0] == hashlib.sha256(big.read_bytes()).hexdigest()
     assert stat.S_IMODE(int(out.stdout.split()[2], 8)) & 0o600 == 0o600 and sys.platform == "linux"
+
+
+def _staged_entry(path: str, data: bytes):
+    import io
+
+    from sandbox_provider.sandbox.batch import ImportEntry
+
+    return ImportEntry(path=path, size=len(data), open=lambda: io.BytesIO(data))
+
+
+def test_a_tiny_stage_is_written_by_the_worker_without_the_shell_and_tar(counted):
+    """Two small files with the command: written straight into the workspace, the command's launch runs no tar."""
+    hook, launches = counted
+    handle = hook.create()
+    stage = [_staged_entry("script.py", b"print(2 + 3)\n"), _staged_entry("/workspace/d/e/args.json", b"[2, 3]")]
+    with mock.patch("sandbox_provider.sandbox.guest.program", side_effect=AssertionError("stage.sh ran")):
+        result = hook.run_command(
+            handle,
+            "python3 script.py; cat d/e/args.json; stat -c '%u %a' script.py d d/e d/e/args.json",
+            timeout=30,
+            max_output_bytes=999,
+            stage=stage,
+        )
+    uid = hook.uid_of(handle)
+    assert result.ok, result.stderr
+    assert result.stdout.splitlines() == ["5", "[2, 3]" + f"{uid} 644", f"{uid} 755", f"{uid} 755", f"{uid} 644"]
+    assert launches() == 1
+    hook.destroy(handle)
+
+
+def test_a_tiny_stage_never_writes_through_a_link_the_sandbox_planted(counted, tmp_path):
+    """
+    A link the sandbox put where a staged file or directory goes: the worker does not follow it (nor
+    write into the file it names); stage.sh's tar, as the sandbox's user, replaces the link. The
+    control: without the links the worker writes the files itself (no tar).
+    """
+    hook, launches = counted
+    handle = hook.create()
+    secret = tmp_path / "worker-secret.txt"
+    secret.write_text("the worker's\n")
+    os.chmod(tmp_path, 0o755)
+    plant = f"ln -s {secret} script.py && mkdir real && ln -s real d && ln -s /etc/passwd pw"
+    assert hook.run_command(handle, plant, timeout=30, max_output_bytes=99).ok
+    stage = [_staged_entry("script.py", b"print('staged')\n"), _staged_entry("d/args.json", b"[1]")]
+    programs = []
+    from sandbox_provider.sandbox import guest
+
+    real_program = guest.program
+
+    def counting(name):
+        programs.append(name)
+        return real_program(name)
+
+    with mock.patch("sandbox_provider.sandbox.guest.program", side_effect=counting):
+        result = hook.run_command(
+            handle,
+            "python3 script.py; test -L script.py || echo replaced",
+            timeout=30,
+            max_output_bytes=99,
+            stage=stage,
+        )
+        assert result.stdout == "staged\nreplaced\n", result.stderr
+        assert programs == ["stage.sh"]  # the link sent it to the sandbox's tar
+        assert secret.read_text() == "the worker's\n"
+        out = hook.run_command(handle, "cat real/args.json; test -L d && echo link", timeout=30, max_output_bytes=99)
+        assert out.stdout == "[1]link\n"  # written through the sandbox's own link, as the sandbox sees it
+        programs.clear()
+        fresh = [_staged_entry("new/one.txt", b"1"), _staged_entry("two.txt", b"2")]
+        assert (
+            hook.run_command(handle, "cat new/one.txt two.txt", timeout=30, max_output_bytes=9, stage=fresh).stdout
+            == "12"
+        )
+        assert programs == []  # the control: new names, written by the worker
+    hook.destroy(handle)

@@ -55,3 +55,25 @@ def test_the_state_root_is_one_per_airflow_instance_and_user(monkeypatch, tmp_pa
     assert default_state_root() == first  # the same instance however its home is spelled
     assert os.path.dirname(first) == tempfile.gettempdir()
     assert os.path.basename(first).startswith(f"airflow-sandbox-{os.getuid()}-")
+
+
+def test_a_missing_default_connection_is_asked_for_once_per_worker_process(monkeypatch, add_connection, tmp_path):
+    """A task's hooks ask for sandbox_local_default once (each ask is a round trip to the supervisor)."""
+    from sandbox_provider.hooks.local import hook as local_hook
+
+    monkeypatch.delenv("AIRFLOW_CONN_SANDBOX_LOCAL_DEFAULT", raising=False)
+    monkeypatch.setattr(local_hook, "_MISSING_DEFAULTS", set())
+    asked = []
+    real = LocalSandboxHook.get_connection.__func__
+
+    def counting(cls, conn_id):
+        asked.append(conn_id)
+        return real(cls, conn_id)
+
+    monkeypatch.setattr(LocalSandboxHook, "get_connection", classmethod(counting))
+    for _ in range(3):
+        assert LocalSandboxHook().state_root == default_state_root()
+    assert asked == ["sandbox_local_default"]
+    # One defined in the environment meanwhile is still found.
+    add_connection("sandbox_local_default", "sandbox_local", extra={"state_root": str(tmp_path / "s")})
+    assert LocalSandboxHook().state_root == str(tmp_path / "s")

@@ -72,6 +72,46 @@ def test_sweep_frees_only_abandoned(tmp_path):
     assert set(leases.leases()) == {live}
 
 
+def test_a_timed_sweep_runs_once_per_interval_per_host(tmp_path):
+    directory = str(tmp_path / "ids")
+    one, other = IdLeases(directory, 1_900_000_000, 1_900_000_099), IdLeases(directory, 1_900_000_000, 1_900_000_099)
+    first = one.lease("/state/first")
+    assert one.sweep(lambda owner: True, every=60) == [first]
+    second = one.lease("/state/second")
+    # Another worker of the host (another IdLeases on the directory) within the interval: no sweep.
+    assert other.sweep(lambda owner: True, every=60) == []
+    assert set(one.leases()) == {second}
+    os.utime(os.path.join(directory, ".swept"), (0, 0))  # the last sweep, long ago
+    assert other.sweep(lambda owner: True, every=60) == []  # this worker looked just now: not again so soon
+    third = IdLeases(directory, 1_900_000_000, 1_900_000_099)
+    assert third.sweep(lambda owner: True, every=60) == [second]
+    assert one.sweep(lambda owner: True) == []  # an untimed sweep (gc_expired) runs whatever the time
+
+
+def test_leases_share_the_lock_and_a_sweep_holds_it_alone(tmp_path):
+    import fcntl
+
+    leases = IdLeases(str(tmp_path / "ids"), 1_900_000_000, 1_900_000_099)
+    leases.lease("/state/a")
+    fd = os.open(os.path.join(leases.directory, ".lock"), os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # another worker leasing right now
+        assert leases.lease("/state/b")  # does not wait for it
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another worker sweeping (or releasing) right now
+        done = []
+        import threading
+
+        thread = threading.Thread(target=lambda: done.append(leases.lease("/state/c")))
+        thread.start()
+        thread.join(0.5)
+        assert done == []  # the lease waits for the sweep
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        thread.join(10)
+        assert len(done) == 1
+    finally:
+        os.close(fd)
+
+
 def _lease_many(directory: str, count: int, queue) -> None:
     leases = IdLeases(directory, 1_900_000_000, 1_900_000_199)
     queue.put([leases.lease(f"/state/{os.getpid()}-{i}") for i in range(count)])

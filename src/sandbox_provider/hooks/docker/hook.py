@@ -385,6 +385,28 @@ class DockerSandboxHook(GatewayEgress, DockerExec, StreamFiles, ShellFiles, Atta
         except Exception as err:
             raise self._engine_error(err, f"removing sandbox {handle!r}") from err
 
+    def _end(self, handle: str) -> None:
+        """
+        ``destroy(wait=False)``: kill the container (the Engine answers once it has stopped) and leave
+        its removal to the Engine, which removes it as it stops (auto-remove); one the Engine does
+        not remove that way (never started) is removed here. The lifetime and the sweep of every
+        create still guarantee it goes.
+        """
+        import docker.errors
+
+        self._forget(handle)
+        egress.stop_gateway(egress.docker_gateway_dir(handle), remove=True)
+        try:
+            self._client().api.kill(handle)
+        except docker.errors.NotFound:
+            return
+        except docker.errors.APIError as err:
+            if err.status_code != 409:  # 409: not running (stopped, being removed, never started)
+                raise self._engine_error(err, f"ending sandbox {handle!r}") from err
+            self._destroy(handle)
+        except Exception as err:
+            raise self._engine_error(err, f"ending sandbox {handle!r}") from err
+
     # -- exec: commands and file operations --------------------------------------------------------------
 
     def _labels(self, handle: str) -> dict[str, str]:

@@ -14,14 +14,15 @@ sandbox into their ``.partial`` directories and checked there (the last part of 
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import posixpath
 import re
 import stat
 from collections.abc import Callable, Sequence
-from typing import IO, Any
+from typing import IO, Any, cast
 
-from sandbox_provider.hooks.local import driver, transfer
+from sandbox_provider.hooks.local import driver, state, transfer
 from sandbox_provider.hooks.local import guest as local_guest
 from sandbox_provider.hooks.local import plan as plans
 from sandbox_provider.sandbox import guest
@@ -46,6 +47,8 @@ _EXPORT_MIN_RATE = 1024 * 1024  # bytes per second a local export is allowed to 
 _BATCH_TIMEOUT = 3600.0  # seconds a batch may take (cut to the sandbox's lifetime left)
 #: A command's staged files go in with it, in one launch, up to this many bytes; more go in first.
 STAGE_WITH_COMMAND_BYTES = 64 * 1024 * 1024
+#: A stage this small (files, bytes) is written by the worker straight into a workspace where its names are new.
+SMALL_STAGE_FILES, SMALL_STAGE_BYTES = 16, 256 * 1024
 #: A local source file this big goes in by its own descriptor, copied in the kernel (a launch of its own).
 DIRECT_COPY_BYTES = 64 * 1024 * 1024
 _STAGE_FAILED = "sandbox-stage-failed"
@@ -61,6 +64,8 @@ class LocalFiles:
     check_handle: Callable[[str], str]
     _deadline: Callable[[str, float], float]
     uid_of: Callable[[str], int]
+    _plan: Callable[[str], Any]
+    workdir: str
 
     def _script(
         self,
@@ -249,6 +254,9 @@ class LocalFiles:
             return self._exec(handle, ["/bin/sh", "-c", command], timeout=timeout, output=output)
         for entry in stage:
             check_path(entry.path)
+        stage, written = self._write_small(handle, stage)
+        if written:  # in place already: the command alone, without stage.sh's shell and tar
+            return self._exec(handle, ["/bin/sh", "-c", command], timeout=timeout, output=output)
         feed = transfer.ArchiveFeed(stage, archive=True, bwrap=self._bwrap())
         argv = ["/bin/sh", "-c", guest.program("stage.sh"), "stage.sh", command]
         outcome, error = transfer.run_with(
@@ -261,6 +269,51 @@ class LocalFiles:
             detail = output.err.text().replace(_STAGE_FAILED, "").strip()[-500:]
             raise SandboxError(f"Could not write the {len(stage)} staged file(s) into sandbox {handle}: {detail}")
         return outcome
+
+    def _write_small(self, handle: str, stage: Sequence[ImportEntry]) -> tuple[Sequence[ImportEntry], bool]:
+        """
+        A tiny stage (:data:`SMALL_STAGE_FILES` files, :data:`SMALL_STAGE_BYTES` bytes at most, all in
+        the workdir) written by the worker straight into the workspace: each file new
+        (``O_EXCL``), every directory on its way new or a plain directory, reached by descriptor
+        and never through a link, owned by the sandbox's user (files 0644, directories 0755, as
+        ``stage.sh``'s ``tar`` would leave them). Anything else (a name taken, a link on the way, a
+        bigger stage) is left to ``stage.sh``, which replaces what is there as the sandbox sees it.
+
+        Returns the stage (its sources read, so a fallback reads them again from memory) and
+        whether it is written.
+        """
+        if len(stage) > SMALL_STAGE_FILES or sum(entry.size for entry in stage) > SMALL_STAGE_BYTES:
+            return stage, False
+        names = [_in_workdir(entry.path, self.workdir) for entry in stage]
+        read: list[ImportEntry] = []
+        for entry in stage:
+            try:
+                with entry.open() as source:
+                    data = source.read(entry.size + 1)
+            except Exception as err:  # the fallback's launch reports it, naming the entry
+                read.append(dataclasses.replace(entry, open=_raiser(err), local_path=None, walked=None))
+                names = [None]
+                continue
+            read.append(dataclasses.replace(entry, open=_bytes_source(data), local_path=None, walked=None))
+            if len(data) != entry.size:
+                names = [None]  # a source that lies about its size: stage.sh's path names it
+        if any(name is None for name in names):
+            return read, False
+        plan = self._plan(handle)
+        workspace = os.path.join(state.box_path(plan.path, plan.limits), "workspace")
+        owner = plan.uid if os.geteuid() == 0 else None
+        try:
+            top = os.open(workspace, DIR_FLAGS)
+        except OSError:
+            return read, False
+        try:
+            for entry, name in zip(read, names, strict=True):
+                with entry.open() as source:
+                    if not _write_new(top, cast(str, name), source.read(), owner):
+                        return read, False
+        finally:
+            os.close(top)
+        return read, True
 
     def export_batch(
         self, handle: str, requests: Sequence[ExportRequest], sink: ExportSink, *, limits: ExportLimits
@@ -302,6 +355,71 @@ class LocalFiles:
         if not result.ok:
             raise _export_failure(result, requests)
         return reader.total
+
+
+def _in_workdir(path: str, workdir: str) -> str | None:
+    """``path`` relative to the workdir, when it lies in it (``a/b``, ``/workspace/a/b``); else None."""
+    if path.startswith("/"):
+        if not path.startswith(workdir.rstrip("/") + "/"):
+            return None
+        path = path[len(workdir.rstrip("/")) + 1 :]
+    parts = path.split("/")
+    if not path or any(part in ("", ".", "..") for part in parts):
+        return None
+    return path
+
+
+def _bytes_source(data: bytes) -> Callable[[], IO[bytes]]:
+    return lambda: io.BytesIO(data)
+
+
+def _raiser(err: BaseException) -> Callable[[], IO[bytes]]:
+    def fail() -> IO[bytes]:
+        raise err
+
+    return fail
+
+
+def _write_new(top: int, name: str, data: bytes, owner: int | None) -> bool:
+    """
+    Write ``data`` to the new file ``name`` below the directory ``top`` (a descriptor), making the
+    directories on the way; False, having written nothing of that file, when a name on the way is
+    not a plain directory or the file exists.
+    """
+    *dirs, leaf = name.split("/")
+    held: list[int] = []
+    at = top
+    try:
+        for part in dirs:
+            try:
+                os.mkdir(part, 0o755, dir_fd=at)
+                made = True
+            except FileExistsError:
+                made = False
+            # A link (ELOOP) or not a directory fails here: stage.sh meets it as the sandbox does.
+            fd = os.open(part, DIR_FLAGS, dir_fd=at)
+            held.append(fd)
+            if made:
+                os.fchmod(fd, 0o755)
+                if owner is not None:
+                    os.fchown(fd, owner, owner)
+            at = fd
+        out = os.open(leaf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=at)
+        try:
+            if owner is not None:
+                os.fchown(out, owner, owner)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(out, view) :]
+            os.fchmod(out, 0o644)
+        finally:
+            os.close(out)
+        return True
+    except OSError:  # a name taken, a link on the way, a full disk budget: stage.sh writes it (or says why not)
+        return False
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
 def _tree_args(requests: Sequence[ExportRequest]) -> list[str]:

@@ -34,6 +34,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
@@ -64,14 +65,19 @@ from sandbox_provider.sandbox.spec import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LocalSandboxBackend", "LocalSandboxHook", "SweepReport"]
+__all__ = ["LocalSandboxBackend", "LocalSandboxHook", "SweepReport", "wait_for_removals"]
 
 SweepReport = state.SweepReport
 default_state_root = state.default_state_root
 UID_TAG = state.UID_TAG
 _EXPORT_MIN_RATE = 1024 * 1024  # bytes per second a local export is allowed to be slow to
-_LEASE_SWEEP_EVERY = 60.0  # seconds between lease sweeps on the create path
+_LEASE_SWEEP_EVERY = 60.0  # seconds between lease sweeps on the create path, per host
 _OOM = "the sandbox reached its memory limit (memory_bytes=%s)."
+#: The removals ``destroy(wait=False)`` left running in this worker process (see ``wait_for_removals``).
+_REMOVALS: set[threading.Thread] = set()
+_REMOVALS_LOCK = threading.Lock()
+#: Default connections this worker process looked up and did not find (see ``LocalSandboxHook._connection``).
+_MISSING_DEFAULTS: set[str] = set()
 
 
 class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attachable, SandboxHook):
@@ -150,7 +156,6 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         self.workdir = driver.check_local_workdir(workdir)
         self.bwrap_path = bwrap_path
         self._settings: dict[str, Any] | None = None
-        self._leases_swept = 0.0
         self._bwrap_found: str | None = None
         self._plans: dict[str, plans.Plan] = {}
         self._reachable: str | None = None  # the state root a root worker's sandboxes were shown to reach
@@ -190,15 +195,26 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         return settings
 
     def _connection(self) -> Any:
-        """The connection named by ``sandbox_conn_id``, or ``sandbox_local_default`` if it exists, or None."""
+        """
+        The connection named by ``sandbox_conn_id``, or ``sandbox_local_default`` if it exists, or None.
+
+        That the default connection does not exist is remembered for the rest of the worker process
+        (one task: asking costs a round trip to the supervisor for every sandbox); one defined in the
+        environment (``AIRFLOW_CONN_SANDBOX_LOCAL_DEFAULT``) is always looked up.
+        """
         from airflow.exceptions import AirflowNotFoundException
 
         if self.sandbox_conn_id:
             return self.get_connection(self.sandbox_conn_id)
-        try:
-            conn = self.get_connection(self.default_conn_name)
-        except AirflowNotFoundException:
+        name = self.default_conn_name
+        if name in _MISSING_DEFAULTS and f"AIRFLOW_CONN_{name.upper()}" not in os.environ:
             return None
+        try:
+            conn = self.get_connection(name)
+        except AirflowNotFoundException:
+            _MISSING_DEFAULTS.add(name)
+            return None
+        _MISSING_DEFAULTS.discard(name)
         log.info("Using the %s connection for the local backend's settings", self.default_conn_name)
         return conn
 
@@ -357,34 +373,8 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
             raise SandboxTerminalError(f"Could not provision a sandbox under {root}: {err}") from err
         if request.spec.has_allowlist:
             self._start_gateway(handle, request)
-        self._probe_once(handle, request, limits)
         log.info("Sandbox %s lives in %s on this worker", handle, os.path.join(root, handle))
         return handle
-
-    def _probe_once(self, handle: str, request: ProvisionRequest, limits: Mapping[str, Any]) -> None:
-        """
-        Once per worker process and kind of sandbox: prove bubblewrap can build this sandbox here, so
-        a worker without user namespaces fails at create with bwrap's reason, not at the first command.
-        """
-        key = (
-            self._bwrap(),
-            self._resolved()["image"],
-            os.geteuid(),
-            self.workdir,
-            request.spec.block_network,
-            repr(sorted(limits.items())),
-        )
-        if key in plans.PROBED:
-            return
-        try:
-            probe = self._script(handle, "true", timeout=60)
-        except BaseException:
-            self._destroy(handle)
-            raise
-        if not probe.ok:
-            self._destroy(handle)
-            raise SandboxTerminalError(f"A new sandbox could not run a command on this worker: {probe.stderr}")
-        plans.PROBED.add(key)
 
     def _fill(self, staging: str, handle: str, request: ProvisionRequest, limits: Mapping[str, Any]) -> None:
         """Make the sandbox's user, box, cgroup and state in its ``.creating-`` directory."""
@@ -422,6 +412,49 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
             known = plan.uid if plan is not None and plan.path == os.path.join(root, handle) else None
             self._teardown(handle, trash, wait=True, uid=known)
 
+    def _end(self, handle: str) -> None:
+        """
+        ``destroy(wait=False)``: the sandbox is renamed away (gone for every caller) and everything of
+        it that runs is killed (its cgroup removed, its gateway stopped) before this returns; its
+        files go and its user id is freed in a thread of this worker (one that the worker process
+        waits for as it exits). A worker killed before that leaves its ``.destroyed-`` directory,
+        unlocked, to the next sweep (any create on the host's state root, or ``gc_expired``).
+        """
+        plan = self._plans.pop(handle, None)
+        root = self._root()
+        trash = state.mark_destroyed(root, handle)
+        if trash is None:
+            return
+        known = plan.uid if plan is not None and plan.path == os.path.join(root, handle) else None
+        with state.claim(trash, wait=True) as got:
+            if not got:
+                return
+            self._stop(handle, trash)
+        reaper = threading.Thread(
+            target=self._reap, args=(handle, trash, known), name=f"sandbox-removal-{handle}", daemon=False
+        )
+        with _REMOVALS_LOCK:
+            _REMOVALS.add(reaper)
+        reaper.start()
+
+    def _reap(self, handle: str, trash: str, uid: int | None) -> None:
+        try:
+            self._teardown(handle, trash, wait=True, uid=uid)
+        except Exception:  # the next sweep removes what is left
+            log.warning("Could not remove the files of sandbox %s; the next sweep will", handle, exc_info=True)
+        finally:
+            with _REMOVALS_LOCK:
+                _REMOVALS.discard(threading.current_thread())
+
+    def _stop(self, handle: str, path: str) -> None:
+        """Kill everything of the sandbox under ``path`` that runs: its cgroup, its gateway, its marked commands."""
+        root = os.path.dirname(path)
+        cgroups = self._cgroups()
+        if cgroups is not None:
+            cgroups.remove(handle)
+        egress.stop_gateway(egress.local_gateway_dir(path), match=os.path.join(root, handle) + "/")
+        driver.kill_marked(path, match=os.path.join(root, handle) + "/")
+
     def _teardown(self, handle: str, path: str, *, wait: bool, uid: int | None = None) -> bool:
         """
         Finish off a sandbox under its ``.destroyed-`` or ``.creating-`` name: kill what runs, remove
@@ -433,11 +466,7 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
             if not got:
                 return False
             uid = uid if uid is not None else state.recorded_uid(path)
-            cgroups = self._cgroups()
-            if cgroups is not None:
-                cgroups.remove(handle)
-            egress.stop_gateway(egress.local_gateway_dir(path), match=os.path.join(root, handle) + "/")
-            driver.kill_marked(path, match=os.path.join(root, handle) + "/")
+            self._stop(handle, path)
             state.remove_sandbox_dir(path)
             leases = self._leases()
             if leases is not None and uid is not None:
@@ -478,9 +507,8 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         if cgroups is not None:
             cgroups.remove_parents()
         leases = self._leases()
-        if leases is not None and (full or now - self._leases_swept > _LEASE_SWEEP_EVERY):
-            self._leases_swept = now
-            leases.sweep(state.abandoned)
+        if leases is not None:
+            leases.sweep(state.abandoned, every=None if full else _LEASE_SWEEP_EVERY)
         return report
 
     def find_sandboxes(self, stamps: Mapping[str, str]) -> dict[str, dict[str, str]]:
@@ -597,6 +625,25 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         # On timeout the whole process tree dies with its PID namespace (children ignoring SIGTERM
         # too); the sandbox and its files stay.
         return self._exec(handle, ["/bin/sh", "-c", command], timeout=timeout, output=output)
+
+
+def wait_for_removals(timeout: float = 60.0) -> bool:
+    """
+    Wait (up to ``timeout`` seconds in all) for the removals of local sandboxes that
+    ``destroy(wait=False)`` left running in this worker process; return whether none is left.
+    For a caller that counts what is left on the host (a test, a benchmark).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        with _REMOVALS_LOCK:
+            running = list(_REMOVALS)
+        if not running:
+            return True
+        for thread in running:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if time.monotonic() >= deadline:
+            with _REMOVALS_LOCK:
+                return not _REMOVALS
 
 
 #: The guide's name for this backend.

@@ -3,10 +3,13 @@ Host user ids for the local backend's sandboxes on a root worker: one uid (and t
 number) per sandbox, leased from a range no host account uses.
 
 A lease is a symbolic link named for the id in the lease directory, pointing at the path of the
-sandbox that holds it (made atomically: of two workers, one gets the name). Every change (lease, release, sweep) runs under one ``flock`` on
-the directory, so two workers never hand out the same id, and a release never frees an id someone
-else has leased since. The lease directory is host-wide: every worker of the host must use the same
-one (the default does), whatever its state root.
+sandbox that holds it (made atomically: of two workers, one gets the name). Every change runs under
+one ``flock`` on the directory: leases share it (the link's creation is what decides between two
+workers), a release and a sweep hold it alone, so a release never frees an id someone else has
+leased since, and a sweep never frees the lease of a sandbox being made. A sweep runs at most once
+per interval per host (the time of the last one is the modification time of ``.swept`` there), so
+a create does not read every lease of the host. The lease directory is host-wide: every worker of
+the host must use the same one (the default does), whatever its state root.
 
 The default range, 1900000000-1900065535, lies above the ids that ``useradd`` hands out to users
 (``UID_MAX``, 60000), to system accounts and to subordinate ranges (``SUB_UID_MAX``, 600100000 by
@@ -26,6 +29,7 @@ import os
 import pwd
 import random
 import stat
+import time
 from collections.abc import Callable, Iterator
 
 from sandbox_provider.hooks.forms.local import DEFAULT_UID_RANGE
@@ -34,6 +38,7 @@ from sandbox_provider.sandbox.errors import SandboxTerminalError
 __all__ = ["DEFAULT_UID_RANGE", "IdLeases", "parse_uid_range", "shared_leases"]
 _RANDOM_TRIES = 32
 _LOCK = ".lock"
+_SWEPT = ".swept"
 
 
 def parse_uid_range(value: str) -> tuple[int, int]:
@@ -85,6 +90,7 @@ class IdLeases:
         self.first = first
         self.last = last
         self._checked = False
+        self._next_sweep_check = 0.0  # time.monotonic() before which this process need not look at .swept
 
     def _open_lock(self) -> int:
         if not self._checked:
@@ -96,7 +102,7 @@ class IdLeases:
         return os.open(os.path.join(self.directory, _LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self, *, shared: bool = False) -> Iterator[None]:
         try:
             try:
                 fd = self._open_lock()
@@ -109,7 +115,7 @@ class IdLeases:
                 "uid_lease_dir to LocalSandboxHook (one directory for every worker of the host)."
             ) from err
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)
@@ -133,7 +139,7 @@ class IdLeases:
         :raises SandboxTerminalError: when every id of the range is leased or belongs to an account.
         """
         size = self.last - self.first + 1
-        with self._locked():
+        with self._locked(shared=True):
             for _ in range(min(_RANDOM_TRIES, size)):
                 uid = self.first + random.randrange(size)
                 if self._try(uid, owner):
@@ -174,14 +180,42 @@ class IdLeases:
                     found[int(name)] = owner
         return found
 
-    def sweep(self, abandoned: Callable[[str], bool]) -> list[int]:
+    def _swept_within(self, every: float) -> bool:
+        """Whether any worker of the host swept less than ``every`` seconds ago (``.swept``'s time)."""
+        try:
+            return os.stat(os.path.join(self.directory, _SWEPT)).st_mtime + every > time.time()
+        except FileNotFoundError:
+            return False
+
+    def _mark_swept(self) -> None:
+        fd = os.open(os.path.join(self.directory, _SWEPT), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            os.utime(fd)
+        finally:
+            os.close(fd)
+
+    def sweep(self, abandoned: Callable[[str], bool], *, every: float | None = None) -> list[int]:
         """
         Free every lease whose owner ``abandoned(owner)`` says is gone; return the ids freed.
 
-        The predicate runs under the lock, so a sandbox cannot lease, be swept and be re-leased at once.
+        The predicate runs under the lock, held alone, so a sandbox cannot lease, be swept and be
+        re-leased at once.
+
+        :param every: seconds: sweep only if no worker of the host swept within that long (this
+            process then looks again only after a tenth of it); None: sweep now.
         """
+        if every is not None:
+            now = time.monotonic()
+            if now < self._next_sweep_check:
+                return []
+            self._next_sweep_check = now + every / 10
+            if self._swept_within(every):
+                return []
         freed = []
         with self._locked():
+            if every is not None and self._swept_within(every):
+                return []  # another worker swept while this one waited for the lock
+            self._mark_swept()
             for uid, owner in self._all().items():
                 if abandoned(owner):
                     with contextlib.suppress(FileNotFoundError):

@@ -19,9 +19,6 @@ from sandbox_provider.sandbox.attach import expiry_of
 from sandbox_provider.sandbox.errors import SandboxTerminalError
 from sandbox_provider.sandbox.spec import NETWORK_TAG
 
-#: Workers that proved bubblewrap builds a sandbox here: (bwrap, image, euid, workdir, network, limits).
-PROBED: set[tuple[Any, ...]] = set()
-
 
 @dataclasses.dataclass(frozen=True)
 class Plan:

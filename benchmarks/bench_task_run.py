@@ -1,0 +1,133 @@
+"""
+What every task pays once (issue 32): ``@task.sandbox`` returning ``a + b`` against
+``@task.external_python`` of the same function on the same interpreter, each a real task run the way
+a worker runs it (a supervisor process that forks a new task process, which builds its own hook, asks
+the supervisor for connections and launches bubblewrap for the first time: ``tests/task_process.py``),
+interleaved (sandbox, external, external, sandbox, ...).
+
+Two figures per side, per run:
+
+- ``execute``: the task's own work, timed inside the task process (``pre_execute`` to
+  ``post_execute``): for ``@task.sandbox`` a new hook, create, stage, run, read the result, destroy;
+  for ``@task.external_python`` its interpreter checks, the function's script and a new Python;
+- the whole run: the harness process from start to exit (Airflow's own start and end of a task, the
+  same on both sides, included).
+
+Goal (issue 32): the ``execute`` ratio at most 0.6x. Rows are printed as they are measured, with the
+load average; a side that fails prints why.
+
+    .venv/bin/python benchmarks/bench_task_run.py [--rounds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_task_log import run_real_task, task_process  # noqa: E402
+from harness import Comparison, attempt, print_rows  # noqa: E402
+
+DAG = """
+import logging
+import os
+import time
+
+from airflow.sdk import DAG, task
+
+from sandbox_provider.hooks.local import LocalSandboxHook
+
+_started = {}
+
+
+def start(context):
+    _started["at"] = time.perf_counter()
+
+
+def stop(context, result):
+    if result != 5:
+        raise RuntimeError(f"a + b gave {result!r}")
+    logging.getLogger("bench").info("bench: took %.6f", time.perf_counter() - _started["at"])
+
+
+def add(a, b):
+    return a + b
+
+
+with DAG("task_run", schedule=None):
+    task.sandbox(
+        python="/usr/bin/python3",
+        backend=LocalSandboxHook(state_root=os.environ["BENCH_STATE_ROOT"]),
+        task_id="sandboxed",
+        pre_execute=start,
+        post_execute=stop,
+    )(add)(2, 3)
+    task.external_python(python="/usr/bin/python3", task_id="external", pre_execute=start, post_execute=stop)(add)(
+        2, 3
+    )
+"""
+
+
+class Instance:
+    """An Airflow home of its own, with a migrated database, the Dag above and a log folder."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.env = task_process.instance(root, BENCH_STATE_ROOT=str(root / "state"))
+        (root / "state").mkdir()
+        (root / "dags" / "task_run.py").write_text(textwrap.dedent(DAG))
+        self.runs = 0
+
+    def run(self, task_id: str) -> tuple[float, float]:
+        """One try of ``task_id`` in its own Dag run: (seconds in execute, seconds of the whole run)."""
+        self.runs += 1
+        run_id = f"bench-{self.runs}"
+        log = self.root / "logs" / run_id / f"{task_id}.log"
+        started = time.perf_counter()
+        _, took = run_real_task(self.env, self.root / "dags" / "task_run.py", "task_run", task_id, run_id, log)
+        return took[0], time.perf_counter() - started
+
+
+def measure(instance: Instance, rounds: int) -> list:
+    ours: list[tuple[float, float]] = []
+    theirs: list[tuple[float, float]] = []
+    instance.run("sandboxed")  # warm-up: the first run of each pays for caches (the Dag's parse, .pyc files)
+    instance.run("external")
+    for i in range(rounds):
+        pair = [(ours, "sandboxed"), (theirs, "external")]
+        for side, task_id in pair if i % 2 == 0 else pair[::-1]:
+            side.append(instance.run(task_id))
+    name = "@task.sandbox a+b, real task"
+    return [
+        (
+            Comparison(f"{name}: execute", "@task.external_python", [o[0] for o in ours], [t[0] for t in theirs]),
+            "(goal <= 0.6x)",
+        ),
+        (
+            Comparison(f"{name}: whole run", "@task.external_python", [o[1] for o in ours], [t[1] for t in theirs]),
+            "(Airflow's own start and end of a task included, the same on both sides)",
+        ),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    if args.rounds < 5:
+        parser.error("use at least 5 rounds")
+    with tempfile.TemporaryDirectory(prefix="bench-task-run-") as root:
+        instance = Instance(Path(root))
+        print_rows(attempt("@task.sandbox a+b, real task", lambda: measure(instance, args.rounds)))
+        left = os.listdir(Path(root) / "state")
+        print(f"left in the state root after the runs: {len(left)} {left[:3]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
