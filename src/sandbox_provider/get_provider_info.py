@@ -81,6 +81,9 @@ def get_provider_info() -> dict[str, Any]:
         "triggers": [
             {"integration-name": "Sandbox", "python-modules": ["sandbox_provider.triggers.sandbox"]},
         ],
+        # Airflow 3.2+ imports this function for every command line and adds what it returns to the
+        # ``airflow`` CLI; it imports no backend (see sandbox_provider.cli).
+        "cli": ["sandbox_provider.cli.get_cli_commands"],
         "task-decorators": [
             {"name": "sandbox", "class-name": "sandbox_provider.decorators.sandbox.sandbox_task"},
         ],

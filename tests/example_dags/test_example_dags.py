@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import json
+import os
 from unittest import mock
 
 import pytest
@@ -110,3 +112,35 @@ def test_assets_example_queues_the_consumer_once_the_producer_exported(migrated_
     assert ti is not None and str(ti.state) == "success"
     counts = json.loads((tmp_path / "assets" / "word_counts.json").read_text())
     assert sum(counts.values()) == 36 and counts["the"] == 5 and counts["producer's"] == 1
+
+
+@needs_bwrap
+def test_maintenance_example_sweeps_the_expired_local_sandbox(migrated_airflow_db, tmp_path, monkeypatch):
+    import time
+
+    from sandbox_provider.hooks.local import LocalSandboxHook
+    from sandbox_provider.sandbox.spec import EXPIRES_AT_TAG
+
+    conn = {"conn_type": "sandbox_local", "extra": {"state_root": str(tmp_path / "state")}}
+    monkeypatch.setenv("AIRFLOW_CONN_MAINTENANCE_LOCAL", json.dumps(conn))
+    hook = LocalSandboxHook("maintenance_local")
+    expired, fresh = hook.create(), hook.create()
+    hook.write_tags(expired, {**hook.read_tags(expired), EXPIRES_AT_TAG: str(int(time.time()) - 1)})
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.csv.airflow-0123456789ab-1.partial").write_bytes(b"cut")
+    try:
+        dag_run, xcom = run_example(
+            "example_sandbox_maintenance",
+            conn_ids=["maintenance_local"],
+            partials_url=out.as_uri() + "/",
+            partials_older_than=0,
+        )
+        assert str(dag_run.state) == "success", task_states(dag_run)
+        assert xcom("sweep_sandboxes") == {"removed": [expired], "kept": [], "not_listed": []}
+        assert os.listdir(hook.state_root) == [fresh]
+        assert xcom("sweep_partial_exports") == [(out / "a.csv.airflow-0123456789ab-1.partial").as_uri()]
+        assert os.listdir(out) == []
+    finally:
+        hook.destroy(fresh)
+        hook.destroy(expired)

@@ -25,6 +25,7 @@ from sandbox_provider.sandbox import jobs
 from sandbox_provider.sandbox.connection_test import connection_test_origin
 from sandbox_provider.sandbox.errors import SandboxError, SandboxHandleError, SandboxTerminalError
 from sandbox_provider.sandbox.jobs import DetachedJob, JobCursor, JobState
+from sandbox_provider.sandbox.leftovers import SandboxRecord
 from sandbox_provider.sandbox.network import NetworkReach, describe_reach, missing_phrases
 from sandbox_provider.sandbox.output import TailBuffer
 from sandbox_provider.sandbox.settings import ConnectionForm, SettingsTable
@@ -835,6 +836,22 @@ class SandboxHook(BaseHook):
             default); the session then logs that it could not look.
         """
         raise NotImplementedError(f"The {self.display_name} backend cannot look for sandboxes by their stamps.")
+
+    #: For a backend that cannot list its sandboxes: one sentence saying what ends what a killed
+    #: worker leaves there instead (the vendor's own lifetime, say). Empty where the backend can list.
+    leftovers_bound: ClassVar[str] = ""
+
+    def sandbox_records(self) -> list[SandboxRecord]:
+        """
+        Every sandbox of this provider the hook's connection reaches, in any state, as uniform
+        :class:`~sandbox_provider.sandbox.leftovers.SandboxRecord` s sorted by handle. Default: from
+        :meth:`find_sandboxes` with no filter (stamps only); a backend that knows a sandbox's state or
+        age adds them. ``airflow sandboxes`` lists and sweeps these.
+
+        :raises NotImplementedError: on a backend that cannot list its sandboxes (see
+            :attr:`leftovers_bound`); :raises SandboxTerminalError: if the backend cannot be reached.
+        """
+        return [SandboxRecord(handle, dict(stamps)) for handle, stamps in sorted(self.find_sandboxes({}).items())]
 
     # -- files: native, or ShellFiles ----------------------------------------------------------------
 

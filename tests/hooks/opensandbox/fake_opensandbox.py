@@ -176,6 +176,8 @@ class FakeOpenSandbox:
         parts = path.strip("/").split("/")
         if parts == ["sandboxes"] and request.method == "POST":
             return self._create(json.loads(request.content))
+        if parts == ["sandboxes"] and request.method == "GET":
+            return self._list_sandboxes(request)
         sandbox = self.sandboxes.get(parts[1]) if len(parts) > 1 else None
         if sandbox is None:
             return self._not_found(parts[1] if len(parts) > 1 else "")
@@ -189,6 +191,20 @@ class FakeOpenSandbox:
         if parts[2:] == ["metadata"] and request.method == "PATCH":
             return self._patch(sandbox, json.loads(request.content))
         return httpx.Response(404, json={"code": "NOT_FOUND", "message": f"no route {request.method} {path}"})
+
+    def _list_sandboxes(self, request: httpx.Request) -> httpx.Response:
+        """The lifecycle API's listing, two sandboxes a page (so a client's paging is exercised)."""
+        page, size = int(request.url.params.get("page", 1)), 2
+        views = [self._view(s) for s in self.sandboxes.values()]
+        pages = max(1, -(-len(views) // size))
+        pagination = {
+            "page": page,
+            "pageSize": size,
+            "totalItems": len(views),
+            "totalPages": pages,
+            "hasNextPage": page < pages,
+        }
+        return httpx.Response(200, json={"items": views[(page - 1) * size : page * size], "pagination": pagination})
 
     def _create(self, body: dict) -> httpx.Response:
         if self.create_error is not None:

@@ -313,6 +313,11 @@ class BoatSandboxHook(ShellFiles, SandboxHook):
             output.err.truncated = True
         return RunOutcome(exit_code=code, timed_out=bool(run and run.timed_out))
 
+    leftovers_bound = (
+        "Boat archives each sandbox at the end of its lifetime (sandbox_timeout, sent as ttl_seconds), "
+        "so what a killed worker leaves ends then."
+    )
+
     def _destroy(self, handle: str) -> None:
         """Ask Boat to delete the sandbox. Boat accepts and finishes later: it may be listed a while yet."""
         try:

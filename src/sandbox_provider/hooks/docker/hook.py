@@ -52,6 +52,7 @@ from sandbox_provider.sandbox.batch import ImportEntry
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 from sandbox_provider.sandbox.files import ShellFiles, StreamFiles
 from sandbox_provider.sandbox.hook import Capabilities, OutputSink, ProvisionRequest, RunOutcome, SandboxHook
+from sandbox_provider.sandbox.leftovers import SandboxRecord
 from sandbox_provider.sandbox.network import NetworkReach
 from sandbox_provider.sandbox.spec import (
     EXPIRES_AT_TAG,
@@ -548,6 +549,14 @@ class DockerSandboxHook(GatewayEgress, DockerExec, StreamFiles, ShellFiles, Atta
             if is_named_sandbox(tags.get(SANDBOX_LABEL, "")):
                 result[tags[SANDBOX_LABEL]] = tags
         return result
+
+    def sandbox_records(self) -> list[SandboxRecord]:
+        """This provider's containers on the Engine, in any state, with their Engine status and creation time."""
+        return [
+            SandboxRecord(info.handle, dict(info.stamps), info.status, info.created_at or None)
+            for info in self.list_sandboxes()
+            if is_named_sandbox(info.handle)
+        ]
 
     def remove_expired(
         self, *, owner: str | None = None, dag_id: str | None = None, now: float | None = None

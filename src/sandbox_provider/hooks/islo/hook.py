@@ -370,6 +370,11 @@ class IsloSandboxHook(ShellFiles, SandboxHook):
             self._sleep(pause)
             pause = min(pause * POLL_GROWTH, POLL_LONGEST)
 
+    leftovers_bound = (
+        "Islo deletes each sandbox at the end of its lifetime (sandbox_timeout, sent as delete_after), "
+        "so what a killed worker leaves ends then."
+    )
+
     def _destroy(self, handle: str) -> None:
         islo = driver.import_islo()
         sandboxes = self._client().sandboxes

@@ -371,6 +371,25 @@ class ModalSandboxHook(Attachable, SandboxHook):
             lambda: [sb.object_id for sb in modal.Sandbox.list(app_id=app.app_id, tags=wanted, client=client)],
         )
 
+    def find_sandboxes(self, stamps: Mapping[str, str]) -> dict[str, dict[str, str]]:
+        """
+        This provider's running sandboxes in ``app_name`` whose tags hold every item of ``stamps``
+        (Modal filters by them): ``{handle: its tags}``.
+        """
+        wanted = {**{str(k): str(v) for k, v in stamps.items()}, SANDBOX_MARKER_TAG: "true"}
+        modal = driver.import_modal()
+        client = self._client()
+        hook = self.get_conn()
+        app = self._call(f"looking up app {self.app_name!r}", lambda: hook.lookup_app(self.app_name))
+        found = self._call(
+            "listing sandboxes", lambda: list(modal.Sandbox.list(app_id=app.app_id, tags=wanted, client=client))
+        )
+
+        def tags_of(sandbox: Any) -> dict[str, str]:
+            return self._call("reading its tags", lambda: dict(sandbox.get_tags()), handle=sandbox.object_id)
+
+        return {sandbox.object_id: tags_of(sandbox) for sandbox in found}
+
     # -- commands --------------------------------------------------------------------------------------
 
     def _deadline_for(self, handle: str, tracked: _Tracked, timeout: float) -> tuple[int, bool]:

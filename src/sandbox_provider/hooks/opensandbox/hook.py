@@ -56,7 +56,7 @@ from sandbox_provider.sandbox.attach import Attachable
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
 from sandbox_provider.sandbox.files import check_export_size, file_status_error
 from sandbox_provider.sandbox.hook import Capabilities, OutputSink, ProvisionRequest, RunOutcome, SandboxHook
-from sandbox_provider.sandbox.spec import check_byte_count, check_path
+from sandbox_provider.sandbox.spec import EXPIRES_AT_TAG, check_byte_count, check_path
 
 log = logging.getLogger(__name__)
 
@@ -602,6 +602,28 @@ class OpenSandboxHook(Attachable, SandboxHook):
         return sorted((posixpath.basename(e.path), e.entry_type == "directory") for e in entries)
 
     # -- attach ----------------------------------------------------------------------------------------
+
+    def find_sandboxes(self, stamps: Mapping[str, str]) -> dict[str, dict[str, str]]:
+        """
+        The server's sandboxes that carry this provider's stamps (in their metadata), holding every item
+        of ``stamps``: ``{handle: stamps}``. Reads every page of the server's listing.
+        """
+        from opensandbox.models.sandboxes import SandboxFilter
+
+        found: dict[str, dict[str, str]] = {}
+        page = 1
+        while True:
+            try:
+                listed = self._manager().list_sandbox_infos(SandboxFilter(page=page, page_size=100))
+            except Exception as err:
+                raise driver.api_error(err, "listing sandboxes", self._where, None) from err
+            for info in listed.sandbox_infos:
+                tags = driver.decode_stamps(info.metadata)
+                if EXPIRES_AT_TAG in tags and all(tags.get(key) == value for key, value in stamps.items()):
+                    found[str(info.id)] = tags
+            if not listed.pagination.has_next_page:
+                return found
+            page += 1
 
     def _metadata(self, handle: str) -> Mapping[str, str]:
         try:

@@ -13,12 +13,14 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from sandbox_provider.sandbox.spec import EXPIRES_AT_TAG
+from sandbox_provider.sandbox.spec import EXPIRES_AT_TAG, MAP_INDEX_TAG
 
 #: The label every sandbox of this backend carries; ``list_sandboxes`` selects on it.
 MANAGED_LABEL = ("managed-by", "airflow-sandbox")
 CREATED_LABEL = "airflow-created-at"
 EXPIRES_LABEL = "airflow-expires-at"
+#: What the map index label starts with, so that -1 (an unmapped task) survives as a label value.
+MAP_INDEX_MARK = "i"
 _LABEL_VALUE = re.compile(r"[^A-Za-z0-9._-]+")
 #: Name of the one network rule the hook writes (hosts from ``allow_egress_to``, port 443).
 EGRESS_RULE = "airflow-egress"
@@ -225,10 +227,22 @@ def labels(stamps: Mapping[str, str], expires_at: float) -> dict[str, str]:
     found[EXPIRES_LABEL] = stamps.get(EXPIRES_AT_TAG, str(int(expires_at)))
     for key, value in stamps.items():
         if key.startswith("airflow_") and key != EXPIRES_AT_TAG and not key.endswith(("_network", "_workdir")):
+            if key == MAP_INDEX_TAG:  # a label cannot start with "-": -1 (unmapped) would read as map index 1
+                value = MAP_INDEX_MARK + value
             cleaned = _LABEL_VALUE.sub("_", value)[:63].strip("._-")
             if cleaned:
                 found[key.replace("_", "-")] = cleaned
     return found
+
+
+def stamps_of(found: Mapping[str, str]) -> dict[str, str]:
+    """The stamps a sandbox's labels carry (see :func:`labels`): the expiry, and the task's as cut to a label."""
+    stamps = {key.replace("-", "_"): str(value) for key, value in found.items() if key.startswith("airflow-")}
+    stamps.pop("airflow_created_at", None)
+    index = stamps.pop(MAP_INDEX_TAG, "")
+    if index.startswith(MAP_INDEX_MARK):
+        stamps[MAP_INDEX_TAG] = index[len(MAP_INDEX_MARK) :]
+    return stamps
 
 
 def number(value: str | None) -> float | None:

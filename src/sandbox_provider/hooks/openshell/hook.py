@@ -55,6 +55,7 @@ from sandbox_provider.sandbox.hook import (
     RunOutcome,
     SandboxHook,
 )
+from sandbox_provider.sandbox.leftovers import SandboxRecord
 from sandbox_provider.sandbox.spec import (
     SandboxExecResult,
     SandboxSpec,
@@ -418,6 +419,23 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
             )
             for ref in refs
         ]
+
+    def sandbox_records(self) -> list[SandboxRecord]:
+        """This provider's sandboxes in the workspace, with their phase, creation time and stamps (from their labels)."""
+        selector = "=".join(driver.MANAGED_LABEL)
+        refs = self._call(
+            "listing", "(all)", lambda c: c.list_all(workspace=self._workspace(), label_selector=selector)
+        )
+        from openshell._proto import openshell_pb2
+
+        records = []
+        for ref in refs:
+            if not self.handle_pattern.fullmatch(ref.name):
+                continue
+            stamps = driver.stamps_of(ref.labels)
+            phase = openshell_pb2.SandboxPhase.Name(ref.phase).removeprefix("SANDBOX_PHASE_").lower()
+            records.append(SandboxRecord(ref.name, stamps, phase, driver.number(ref.labels.get(driver.CREATED_LABEL))))
+        return sorted(records, key=lambda r: r.handle)
 
     def remove_expired(self, *, now: float | None = None) -> list[str]:
         """

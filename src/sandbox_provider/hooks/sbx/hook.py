@@ -61,7 +61,9 @@ from sandbox_provider.sandbox.hook import (
     RunOutcome,
     SandboxHook,
 )
+from sandbox_provider.sandbox.leftovers import SandboxRecord
 from sandbox_provider.sandbox.spec import (
+    EXPIRES_AT_TAG,
     SandboxExecResult,
     SandboxSpec,
     check_byte_count,
@@ -315,6 +317,13 @@ class SbxSandboxHook(ShellFiles, SandboxHook):
                 expires = None
             found.append(SbxSandboxInfo(handle=name, expires_at=expires))
         return found
+
+    def sandbox_records(self) -> list[SandboxRecord]:
+        """This provider's sandboxes on the worker, with their expiry (sbx keeps no other stamp of a sandbox)."""
+        return [
+            SandboxRecord(info.handle, {EXPIRES_AT_TAG: str(int(info.expires_at))} if info.expires_at else {})
+            for info in sorted(self.list_sandboxes(), key=lambda i: i.handle)
+        ]
 
     def remove_expired(self, *, now: float | None = None, include_unknown: bool = False) -> list[str]:
         """
