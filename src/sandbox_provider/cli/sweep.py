@@ -248,9 +248,10 @@ def _target(place: str | SandboxHook) -> Target:
 
 def targets(conn_ids: Sequence[str | SandboxHook] | None = None, *, backend: str | None = None) -> list[Target]:
     """
-    The places to look: a hook for each connection id given (or the hook itself, when given one), or by default for every connection of a
-    sandbox backend's type (in the metadata database and ``AIRFLOW_CONN_*``), plus the local backend
-    with its defaults (``sandbox_local_default`` when it exists) when no such connection is among them.
+    The places to look: a hook for each connection id given (or the hook itself, when given one), or
+    by default for every connection of a sandbox backend's type (in the metadata database and
+    ``AIRFLOW_CONN_*``), plus the local backend with its defaults (``sandbox_local_default`` when it
+    exists) when no such connection is among them.
 
     :param backend: only targets of this backend (``local``, ``docker``, ``modal``, ``kubernetes``, ...).
     :raises ValueError: for a connection id no sandbox backend handles, or an unknown backend name.
