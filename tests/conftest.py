@@ -38,6 +38,38 @@ for _folder in [_TESTS, *sorted(e.path for e in os.scandir(os.path.join(_TESTS, 
 pytest_plugins = ["scripted_model", "pid_namespace", "stats_recorder"]
 
 
+# -- one temporary root per test session ------------------------------------------------------------------
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """
+    Without ``--basetemp``, a session's temporary root is a new directory of its own (pytest-xdist's workers
+    get ``<root>/gw<N>`` inside it), not the next ``/tmp/pytest-of-<user>/pytest-<N>``: pytest removes all but
+    the newest three of those when a session starts, so two sessions at once (the two Airflow legs of CI,
+    two developers' runs) could remove each other's directories while their tests use them. Removed at the
+    end of a session that passed; one that failed keeps it for a look (its path is printed).
+    """
+    if getattr(config, "workerinput", None) is None and not config.option.basetemp:
+        config.option.basetemp = tempfile.mkdtemp(prefix="sandbox-tests-tmp-")
+        config.stash[_MADE_BASETEMP] = config.option.basetemp
+
+
+_MADE_BASETEMP = pytest.StashKey[str]()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    made = session.config.stash.get(_MADE_BASETEMP, None)
+    if made is None:
+        return
+    if exitstatus == 0:
+        import shutil
+
+        shutil.rmtree(made, ignore_errors=True)
+    else:
+        print(f"\nThe temporary files of this session are kept in {made}", file=sys.stderr)
+
+
 @pytest.fixture
 def add_connection(monkeypatch):
     """Define an Airflow connection through its environment variable; returns a function."""

@@ -37,10 +37,12 @@ from sandbox_provider.operators.sandbox import SandboxOperator
 
 
 class _SlowPartial(io.RawIOBase):
-    # Storage that takes its time: each megabyte written to a .partial file waits a little, the way a
-    # remote store does, so a test can kill the worker in the middle of an export.
+    # Storage that takes its time: each write to a .partial file waits a little, the way a remote store
+    # does, and once HOLD_EXPORTS_AT bytes are in, it holds the export there (for at most 300 s), so a test
+    # can kill the worker in the middle of an export however loaded the machine is.
     def __init__(self, raw):
         self._raw = raw
+        self._written = 0
 
     def writable(self):
         return True
@@ -48,7 +50,10 @@ class _SlowPartial(io.RawIOBase):
     def write(self, data):
         self._raw.write(data)
         self._raw.flush()
+        self._written += len(data)
         time.sleep(0.05)
+        if self._written >= int(os.environ.get("HOLD_EXPORTS_AT") or 1 << 62):
+            time.sleep(300)
         return len(data)
 
     def close(self):
@@ -304,20 +309,28 @@ def test_the_next_try_ends_what_a_killed_try_left(instance, backend, victim, req
 def test_a_worker_killed_mid_export_leaves_no_partial_after_the_next_export(instance, tmp_path):
     out = tmp_path / "out"
     destination = out / "big.bin"
-    env = {"TEST_BACKEND": "local", "TEST_EXPORT": destination.as_uri(), "SLOW_EXPORTS": "1"}
+    held = 20 * 1024 * 1024  # the export of try 1 holds once this much is written, until the kill
+    env = {
+        "TEST_BACKEND": "local",
+        "TEST_EXPORT": destination.as_uri(),
+        "SLOW_EXPORTS": "1",
+        "HOLD_EXPORTS_AT": str(held),
+    }
     first = Try(instance, "export", 1, TEST_COMMAND="head -c 200M /dev/zero > big", **env)
     deadline = time.monotonic() + PATIENCE
     partials: list[Path] = []
     while time.monotonic() < deadline:
         partials = [p for p in out.glob("big.bin.*.partial")] if out.exists() else []
-        if partials and partials[0].stat().st_size >= 20 * 1024 * 1024:
+        if partials and partials[0].stat().st_size >= held:
             break
         assert first.supervisor.poll() is None, first.output()
         time.sleep(0.05)
+    else:
+        pytest.fail(f"within {PATIENCE} s, the export of try 1 never wrote {held} bytes: {partials}")
     os.kill(first.task_pid(), signal.SIGKILL)
     first.finish()
     assert [p.name for p in out.iterdir()] == [partials[0].name]  # the kill left a partial: positive control
-    assert 20 * 1024 * 1024 <= partials[0].stat().st_size < 200 * 1024 * 1024
+    assert held <= partials[0].stat().st_size < 200 * 1024 * 1024
     assert re.fullmatch(r"big\.bin\.airflow-[0-9a-f]{12}-1\.partial", partials[0].name)
 
     second = Try(instance, "export", 2, TEST_COMMAND="echo done > big", **env)

@@ -187,10 +187,18 @@ class TestSweep:
             "import ctypes, os, time\n"
             "if os.fork() == 0:\n"
             "    ctypes.CDLL(None).prctl(15, b'x) S 1\\nevil', 0, 0, 0)\n"
-            f"    open('{pidfile}', 'w').write(str(os.getpid()))\n"
+            f"    open('{pidfile}.new', 'w').write(str(os.getpid()) + '\\n')\n"
+            f"    os.rename('{pidfile}.new', '{pidfile}')\n"
             "    time.sleep(300)\n"
         )
-        result = run(f'python3 -c "{rename}" >/dev/null 2>&1 & sleep 0.5; echo partial; exit 3', 120)
+        # The command ends only once the child has taken its name (it writes its pid after the rename):
+        # ending sooner, on a loaded machine, would sweep before there is a newline in any stat line.
+        renamed = f"i=0; until [ -s {pidfile} ] || [ $i -ge {HANG * 5} ]; do sleep 0.1; i=$((i+1)); done"
+        result = run(
+            f'python3 -c "{rename}" >/dev/null 2>&1 & {renamed}; '
+            f"[ -s {pidfile} ] && echo partial || echo 'the child never renamed itself'; exit 3",
+            120,
+        )
         assert (result.returncode, result.stdout, result.stderr) == (3, b"partial\n", b"")
         assert [pid for pid in pids_in(pidfile) if alive(pid)] == []
 

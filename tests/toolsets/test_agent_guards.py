@@ -11,6 +11,7 @@ scripted pydantic-ai model and the real local backend:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -351,6 +352,45 @@ def _end_the_wait(dag_id: str) -> None:
             time.sleep(0.2)
 
 
+class _ParkedByDagTest(logging.Handler):
+    """
+    Set once ``dag.test()`` says it waits for Human-in-the-loop input, the point after which an answer
+    resumes the task. Before it, ``dag.test()`` has not yet written back the state the task ended in:
+    the task parks itself in AWAITING_INPUT through the execution API, and only after the in-process
+    task returns does ``dag.test()`` set that state again on its own copy of the task instance. An
+    answer that lands in between (the answer's handler sets SCHEDULED) is overwritten with
+    AWAITING_INPUT, and ``dag.test()`` waits for a second answer that never comes; on a loaded
+    machine that window is wide enough to be hit.
+    """
+
+    LOGGER = "airflow.sdk.definitions.dag"
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self._event = threading.Event()
+        self._level: int | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("Waiting for Human-in-the-loop input"):
+            self._event.set()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def attach(self) -> None:
+        logger = logging.getLogger(self.LOGGER)
+        self._level = logger.level
+        if not logger.isEnabledFor(logging.INFO):
+            logger.setLevel(logging.INFO)
+        logger.addHandler(self)
+
+    def detach(self) -> None:
+        logger = logging.getLogger(self.LOGGER)
+        logger.removeHandler(self)
+        if self._level is not None:
+            logger.setLevel(self._level)
+
+
 class _Approver(threading.Thread):
     """Answers a tool approval request through Airflow's HITL REST route, as a person in the UI does."""
 
@@ -365,6 +405,15 @@ class _Approver(threading.Thread):
         self.error: BaseException | None = None
         self.answered = False
         self.stop = threading.Event()
+        self.parked = _ParkedByDagTest()
+
+    def start(self) -> None:
+        self.parked.attach()
+        super().start()
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        self.parked.detach()
 
     def run(self) -> None:
         from fastapi import HTTPException
@@ -373,12 +422,17 @@ class _Approver(threading.Thread):
         give_up = time.monotonic() + 120
         while not self.stop.is_set():
             if time.monotonic() > give_up:
-                # Not answered, or answered and the task never resumed: end dag.test() with a failure.
-                self.error = TimeoutError(f"within 120 s: answered={self.answered}, and dag.test() still waits")
+                # Never parked, not answered, or answered and the task never resumed: end dag.test() with a failure.
+                self.error = TimeoutError(
+                    f"within 120 s: dag.test() parked the task for input={self.parked.is_set()}, "
+                    f"answered={self.answered}, and dag.test() still waits"
+                )
                 _end_the_wait(self.dag_id)
                 return
             try:
-                if not self.answered:
+                # Only once dag.test() itself has parked the task: until then its own loop may still write
+                # AWAITING_INPUT over the answer's SCHEDULED (see _ParkedByDagTest), and nothing would resume it.
+                if not self.answered and self.parked.is_set():
                     self._answer_if_waiting()
             except OperationalError:
                 pass  # the test database (SQLite) is busy with the task's own writes: ask again

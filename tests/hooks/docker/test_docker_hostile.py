@@ -157,10 +157,14 @@ def test_nothing_inside_can_stop_the_lifetime(docker_conn, docker_client):
 def test_remove_expired_ends_a_running_sandbox_past_its_expiry(hook, docker_client):
     owner = f"dag_hostile/expired_{RUN}"
     name = "airflow-sandbox-" + secrets.token_hex(6)
-    labels = {SANDBOX_LABEL: name, OWNER_TAG: owner, "airflow_expires_at": str(int(time.time()) - 1)}
+    # Past its expiry only for this sweep (judged an hour on): every create on the Engine sweeps, and one of
+    # another test (another worker's) would remove an already expired one first.
+    expires = int(time.time()) + 3600
+    labels = {SANDBOX_LABEL: name, OWNER_TAG: owner, "airflow_expires_at": str(expires)}
     docker_client.containers.run(DOCKER_IMAGE, ["sleep", "300"], name=name, labels=labels, detach=True)
     try:
-        assert hook.remove_expired(owner=owner) == [name]
+        assert hook.remove_expired(owner=owner) == []  # the control: not yet past it
+        assert hook.remove_expired(owner=owner, now=expires + 1) == [name]
         assert gone(docker_client, name)
     finally:
         if not gone(docker_client, name):
