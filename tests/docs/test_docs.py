@@ -44,6 +44,17 @@ def test_the_docs_hold_python_blocks_and_dags():
     assert any(name.startswith("docs/") for name, _ in DAG_BLOCKS)
 
 
+def test_every_block_that_makes_tasks_is_a_whole_dag():
+    # A block that makes a task (an operator, a sandbox task) is a Dag the test below loads, not a fragment
+    # that only parses: a fragment's missing import or wrong argument would go unseen.
+    fragments = [
+        name
+        for name, code in BLOCKS
+        if re.search(r"\w+Operator\(|@task\.sandbox", code) and (name, code) not in DAG_BLOCKS
+    ]
+    assert fragments == [], f"make these blocks whole Dags (@dag, imports, the call): {fragments}"
+
+
 @pytest.mark.parametrize(("name", "code"), BLOCKS, ids=[name for name, _ in BLOCKS])
 def test_every_python_block_parses(name, code):
     ast.parse(code, filename=name)
