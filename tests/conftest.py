@@ -53,6 +53,12 @@ def pytest_configure(config):
     if getattr(config, "workerinput", None) is None and not config.option.basetemp:
         config.option.basetemp = tempfile.mkdtemp(prefix="sandbox-tests-tmp-")
         config.stash[_MADE_BASETEMP] = config.option.basetemp
+    # With -n (pytest-xdist) and no other --dist, each test module runs whole on one worker: its module
+    # fixtures (the UI tests' browser, whose event loop must not stay open under another module's tests)
+    # live once, and a contract battery's last case judges what the cases before it read. Set here rather
+    # than in addopts, so that a virtualenv without pytest-xdist still runs the suite.
+    if getattr(config.option, "dist", None) == "load":
+        config.option.dist = "loadfile"
 
 
 _MADE_BASETEMP = pytest.StashKey[str]()
