@@ -244,3 +244,32 @@ def test_sweep_partials_and_bad_input(instance, tmp_path):
     assert partials.returncode == 0, partials.stderr
     assert "Removed 1 partial file." in partials.stdout, partials.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.csv"]
+
+
+@requires_bwrap
+def test_by_default_every_sandbox_connection_is_looked_through(tmp_path, add_connection, monkeypatch):
+    import sandbox_provider.hooks as hooks
+
+    conn_id = add_connection("sweep_default_local", "sandbox_local", extra={"state_root": str(tmp_path / "s")})
+    add_connection("sweep_default_broken", "sandbox_docker")
+    add_connection("not_a_sandbox", "http", host="example.invalid")
+    real = hooks.get_sandbox_hook
+
+    def get_sandbox_hook(backend):
+        if backend == "sweep_default_broken":
+            raise ValueError("its secrets backend did not answer")
+        return real(backend)
+
+    monkeypatch.setattr(hooks, "get_sandbox_hook", get_sandbox_hook)
+    names = [target.name for target in api.targets()]
+    assert api.LOCAL_DEFAULTS in names and conn_id in names
+    assert "not_a_sandbox" not in names and "sweep_default_broken" not in names
+    hook = get_sandbox_hook(conn_id)
+    handle = hook.create()
+    try:
+        listing = api.list_sandboxes(backend="local")
+        assert (conn_id, handle) in [(target.name, record.handle) for target, record in listing.found]
+        assert "its secrets backend did not answer" in listing.unlisted["sweep_default_broken"]
+        assert api.sweep(backend="local", dry_run=True).unlisted == listing.unlisted  # the defaults: look only
+    finally:
+        hook.destroy(handle)

@@ -251,19 +251,29 @@ def targets(conn_ids: Sequence[str | SandboxHook] | None = None, *, backend: str
     The places to look: a hook for each connection id given (or the hook itself, when given one), or
     by default for every connection of a sandbox backend's type (in the metadata database and
     ``AIRFLOW_CONN_*``), plus the local backend with its defaults (``sandbox_local_default`` when it
-    exists) when no such connection is among them.
+    exists) when no such connection is among them; a connection found by default whose hook cannot be
+    built is left out (:func:`list_sandboxes` and :func:`sweep` report it).
 
     :param backend: only targets of this backend (``local``, ``docker``, ``modal``, ``kubernetes``, ...).
-    :raises ValueError: for a connection id no sandbox backend handles, or an unknown backend name.
+    :raises ValueError: for a connection id given that no sandbox backend handles, or an unknown backend name.
     """
-    from sandbox_provider.hooks import get_sandbox_hook
+    return _discover(conn_ids, backend)[0]
 
+
+def _discover(conn_ids: Sequence[str | SandboxHook] | None, backend: str | None) -> tuple[list[Target], dict[str, str]]:
+    """:func:`targets`, and ``{connection id: why}`` for those found by default that could not be used."""
+    problems: dict[str, str] = {}
     if conn_ids:
         found = [_target(place) for place in dict.fromkeys(conn_ids)]
     else:
         types = _sandbox_conn_types()
         ids = sorted(set(_stored_conn_ids(types)) | set(_env_conn_ids(types)))
-        found = [Target(conn_id, get_sandbox_hook(conn_id)) for conn_id in ids]
+        found = []
+        for conn_id in ids:
+            try:
+                found.append(_target(conn_id))
+            except Exception as err:  # one broken connection must not hide the others' sandboxes
+                problems[conn_id] = f"could not use the connection: {type(err).__name__}: {err}"
         if "sandbox_local_default" not in ids:
             from sandbox_provider.hooks.local import LocalSandboxHook
 
@@ -273,7 +283,7 @@ def targets(conn_ids: Sequence[str | SandboxHook] | None = None, *, backend: str
         if backend not in names:
             raise ValueError(f"Unknown backend {backend!r}: use one of {', '.join(sorted(names))}.")
         found = [target for target in found if target.backend == backend]
-    return found
+    return found, problems
 
 
 def _backend_paths() -> Iterable[str]:
@@ -327,8 +337,9 @@ def list_sandboxes(
     :returns: a :class:`Listing`; a target that cannot list (or be reached) is in ``unlisted`` with why.
     :raises ValueError: for a connection id no sandbox backend handles.
     """
-    listing = Listing()
-    for target in targets(conn_ids, backend=backend):
+    found, problems = _discover(conn_ids, backend)
+    listing = Listing(unlisted=dict(problems))
+    for target in found:
         try:
             listing.found += [(target, record) for record in _records(target, dag_id)]
         except NotImplementedError as err:
@@ -477,8 +488,9 @@ def sweep(
         raise ValueError(f"older_than must be a number of seconds >= 0, got {older_than!r}.")
     now = time.time() if now is None else now
     states = task_states or database_task_states
-    report = SweepReport(dry_run=dry_run)
-    for target in targets(conn_ids, backend=backend):
+    found, problems = _discover(conn_ids, backend)
+    report = SweepReport(dry_run=dry_run, unlisted=dict(problems))
+    for target in found:
         try:
             records = _records(target, dag_id)
         except NotImplementedError as err:
