@@ -232,3 +232,42 @@ def test_only_whole_lines_are_relayed_before_the_end():
     assert relayable(b"a\nb\npart", final=True) == 8
     assert relayable(b"x" * (MAX_LINE_BYTES + 5), final=False) == MAX_LINE_BYTES
     assert relayable(b"x" * 10, final=False) == 0
+
+
+def test_a_collected_command_says_its_seconds_run_to_the_collection(hook, caplog_records):
+    """
+    The end of a detached command is known only when its result is read, after the trigger's polls
+    and the task's resumption: the line says so instead of calling that time the command's (issue 28;
+    a 10 s command deferred in a real deployment read "exited with status 0 after 22.1s").
+    """
+    from sandbox_provider.sandbox import SandboxSession
+
+    with SandboxSession(hook) as session:
+        job = session.start_detached("echo done", timeout=30, max_output_bytes=100)
+        while not hook.poll(session.handle, job.id).ended:
+            time.sleep(0.05)
+        time.sleep(1.0)  # the task resumes a while after the command ended
+        result = session.collect_detached(job, max_output_bytes=100)
+    assert result.ok and result.stdout == "done\n"
+    line = next(m for m in caplog_records() if m.startswith("The command exited with status 0"))
+    assert "its result was collected" in line and "after it started" in line, line
+    assert float(line.split("collected ")[1].split("s ")[0]) >= 1.0, line  # the wait is in it, and said to be
+
+
+@pytest.fixture
+def caplog_records(request):
+    import logging
+
+    kept: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            kept.append(record.getMessage())
+
+    logger = logging.getLogger("sandbox_provider.engine.session")
+    handler = Keep(logging.INFO)
+    logger.addHandler(handler)
+    previous = logger.level
+    logger.setLevel(logging.INFO)
+    request.addfinalizer(lambda: (logger.removeHandler(handler), logger.setLevel(previous)))
+    return lambda: kept

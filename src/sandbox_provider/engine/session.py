@@ -511,9 +511,21 @@ class SandboxSession:
                     )
         return result
 
-    def _ran(self, result: SandboxExecResult, seconds: float) -> None:
-        """Log, count and record how a command ended."""
-        log.info("%s after %.1fs", _ending(result), seconds)
+    def _ran(self, result: SandboxExecResult, seconds: float, *, collected: bool = False) -> None:
+        """
+        Log, count and record how a command ended, ``seconds`` after it started. ``collected``: a
+        detached command whose end is not known, only when its result was read (``seconds`` then
+        include the trigger's polls and the task's resumption), which the line says.
+        """
+        if collected:
+            log.info(
+                "%s; its result was collected %.1fs after it started (the trigger's polls and the task's "
+                "resumption included)",
+                _ending(result),
+                seconds,
+            )
+        else:
+            log.info("%s after %.1fs", _ending(result), seconds)
         if result.timed_out:
             metrics.count("sandbox.timeouts", self.hook)
         if result.sandbox_terminated:
@@ -599,7 +611,7 @@ class SandboxSession:
             raise
         except SandboxError as err:
             raise SandboxTerminalError(str(err)) from err
-        self._ran(result, max(0.0, time.time() - job.started_at))
+        self._ran(result, max(0.0, time.time() - job.started_at), collected=True)
         return result
 
     def stop_detached(self, job: DetachedJob) -> None:
