@@ -28,7 +28,8 @@ def start(directory, command, *, deadline=30.0, keep=3):
 
 
 def poll(directory, since=(0, 0), max_bytes=10_000, keep=False):
-    done = sh("job_poll.sh", directory, SEGMENT, since[0], since[1], max_bytes, "keep" if keep else "-")
+    mode = keep if isinstance(keep, str) else "keep" if keep else "-"
+    done = sh("job_poll.sh", directory, SEGMENT, since[0], since[1], max_bytes, mode)
     assert done.returncode == 0, done.stderr
     return parse_poll(done.stdout, None if since[0] < 0 else JobCursor(*since), "host")
 
@@ -83,6 +84,21 @@ def test_a_poll_that_keeps_its_cursor_records_the_furthest_one(tmp_path):
     assert poll(job, since=(4, 0), keep=True).kept_cursor == JobCursor(4, 0)
     assert poll(job, since=(2, 0), keep=True).kept_cursor == JobCursor(4, 0)  # never backwards
     assert poll(job, since=(6, 0)).kept_cursor == JobCursor(4, 0)  # only when asked
+
+
+def test_a_recording_poll_marks_what_it_returns_in_flight_until_the_next_record(tmp_path):
+    job = tmp_path / "job"
+    start(job, "seq 1 5; echo e >&2")  # 10 bytes of stdout, 2 of stderr
+    wait_ended(job)
+    assert poll(job).in_flight == JobCursor(0, 0)  # no record yet
+    poll(job, since=(2, 0), max_bytes=4, keep=True)  # hands on bytes 2..6 of stdout and 0..2 of stderr
+    after = poll(job, since=(0, 0))
+    assert (after.kept_cursor, after.in_flight) == (JobCursor(2, 0), JobCursor(6, 2))
+    poll(job, since=(6, 2), max_bytes=1, keep="commit")  # handed on: nothing in flight
+    after = poll(job, since=(0, 0))
+    assert (after.kept_cursor, after.in_flight) == (JobCursor(6, 2), JobCursor(6, 2))
+    poll(job, since=(4, 0), max_bytes=4, keep=True)  # behind the record: records nothing
+    assert poll(job).in_flight == JobCursor(6, 2)
 
 
 def test_a_command_past_its_deadline_is_killed_with_what_it_left_in_its_group(tmp_path):

@@ -11,10 +11,9 @@ A backend's test module subclasses :class:`DeferredBattery` and gives:
 - ``backend_env`` (fixture): the environment the worker and the triggerer need for it;
 - ``sandboxes(dag_id, run_id)``: the handles of the sandboxes a run left on the backend.
 
-Every case runs on Docker; on the other backends the long-command and failure cases always run, the
-rest (the real triggerer's, the decorator's, attach and the XCom comparison) with
-``SANDBOX_DEFERRED_ALL_BACKENDS=1``: CI runs the suite twice and each of those cases starts Airflow
-processes of its own, minutes each.
+Every case runs on Docker; on the other backends every ``dag.test()`` case runs too, and the two
+real-triggerer cases (each starts Airflow processes of its own, a minute or two on a loaded machine)
+only with ``SANDBOX_DEFERRED_ALL_BACKENDS=1``: CI runs the suite twice.
 """
 
 from __future__ import annotations
@@ -216,9 +215,8 @@ class DeferredBattery:
     """The cases; see the module docstring for what a subclass gives."""
 
     backend_code: str = ""
-    #: Whether every case runs here; elsewhere the cases that start Airflow processes of their own or repeat
-    #: the operator's own logic run only with SANDBOX_DEFERRED_ALL_BACKENDS=1 (CI runs the suite twice,
-    #: within its time budget, so it runs them on Docker alone).
+    #: Whether the real-triggerer cases run here; elsewhere (they start Airflow processes of their own)
+    #: only with SANDBOX_DEFERRED_ALL_BACKENDS=1 (CI runs the suite twice, and runs them on Docker alone).
     every_case: bool = False
     #: Seconds the long command of the dag.test() case runs (the issue's 60 on Docker; the suite runs twice).
     long_seconds: int = 10
@@ -285,14 +283,18 @@ class DeferredBattery:
         assert (out / "report.txt").read_text() == "result 42\n"
         assert self.sandboxes(dag_id, dag_run.run_id) == []
 
-    def test_a_deferred_run_gives_the_xcom_and_exports_of_a_plain_one(self, backend, migrated_airflow_db, tmp_path):
-        self.every_backend_only()
-        from airflow.sdk import DAG
+    def test_a_deferred_run_gives_the_xcom_exports_and_asset_events_of_a_plain_one(
+        self, backend, migrated_airflow_db, tmp_path
+    ):
+        from airflow.sdk import DAG, Asset
 
-        from dag_runs import run_dag_defined_here
+        from dag_runs import asset_events_from, run_dag_defined_here
         from sandbox_provider.operators.sandbox import SandboxOperator
 
         out = _open_folder(tmp_path / "out")
+        for task_id in ("plain", "deferred"):
+            _open_folder(out / task_id)
+        assets = {task_id: Asset(f"file://{out}/{task_id}/a.txt") for task_id in ("plain", "deferred")}
         command = 'seq 1 3000; echo "to stderr" >&2; mkdir -p d; echo data > d/a.txt; echo more > d/b.txt'
         dag_id = f"deferred_same_{uuid.uuid4().hex[:8]}"
         with DAG(dag_id, schedule=None) as dag:
@@ -302,7 +304,7 @@ class DeferredBattery:
                     backend=backend,
                     spec=self.spec,
                     command=command,
-                    exports={"d/a.txt": f"file://{out}/{task_id}/a.txt", "d/b.txt": f"file://{out}/{task_id}/b.txt"},
+                    exports={"d/a.txt": assets[task_id], "d/b.txt": f"file://{out}/{task_id}/b.txt"},
                     max_output_bytes=5000,
                     deferrable=deferrable,
                     poll_interval=1,
@@ -320,6 +322,13 @@ class DeferredBattery:
         assert deferred["stdout"].endswith("2999\n3000\n") and deferred["stderr"] == "to stderr\n"
         for name in ("a.txt", "b.txt"):
             assert (out / "deferred" / name).read_text() == (out / "plain" / name).read_text()
+        # The export's Asset event, as the plain run emits it (the resumed task's _conclude), its own sandbox's.
+        events = asset_events_from(dag_id)
+        assert set(events) == {asset.uri for asset in assets.values()}, events
+        plain_event, deferred_event = events[assets["plain"].uri], events[assets["deferred"].uri]
+        assert deferred_event["handle"] != plain_event["handle"]
+        assert {**deferred_event, "handle": None} == {**plain_event, "handle": None}
+        assert deferred_event["bytes"] == 5 and deferred_event["sandbox_path"] == "d/a.txt"
         assert self.sandboxes(dag_id, dag_run.run_id) == []
 
     def test_a_failing_deferred_command_fails_with_its_stderr_tail(self, backend, migrated_airflow_db, capfd):
@@ -346,7 +355,6 @@ class DeferredBattery:
         assert self.sandboxes(dag_id, dag_run.run_id) == []
 
     def test_the_decorator_deferred_returns_the_functions_value(self, backend, migrated_airflow_db):
-        self.every_backend_only()
         from airflow.sdk import DAG, task
 
         from dag_runs import run_dag_defined_here
@@ -367,8 +375,7 @@ class DeferredBattery:
         assert _xcom(dag_run, "total") == {"sum": 6}
         assert self.sandboxes(dag_id, dag_run.run_id) == []
 
-    def test_a_deferred_task_on_an_attached_sandbox_leaves_it_to_its_owner(self, backend, migrated_airflow_db):
-        self.every_backend_only()
+    def test_a_deferred_task_on_an_attached_sandbox_leaves_it_to_its_owner(self, backend, migrated_airflow_db, capfd):
         from airflow.sdk import DAG
 
         from dag_runs import run_dag_defined_here
@@ -394,8 +401,14 @@ class DeferredBattery:
             )
             provision >> work >> check >> cleanup
         dag_run = run_dag_defined_here(dag)
+        text = "".join(capfd.readouterr())
         states = {ti.task_id: str(ti.state) for ti in dag_run.get_task_instances()}
         assert set(states.values()) == {"success"}, states
+        # The work task really deferred (only it), in the provisioned sandbox, its line relayed by the trigger.
+        kept = _xcom(dag_run, "provision")
+        assert text.count("Pausing task as DEFERRED") == 1, text[-5000:]
+        assert f"Waiting for the command in sandbox {kept} " in text
+        assert "42" in relayed_lines(text)
         assert _xcom(dag_run, "work")["stdout"] == "42\n"
         assert _xcom(dag_run, "check")["stdout"] == "41\n"  # the sandbox outlived the deferred task
         assert self.sandboxes(dag_id, dag_run.run_id) == []
@@ -403,32 +416,44 @@ class DeferredBattery:
     # -- in a real triggerer -------------------------------------------------------------------------
 
     @pytest.mark.timeout(REAL_RUN_SECONDS)
-    def test_in_a_real_triggerer_the_slot_is_free_and_a_killed_triggerer_resumes_without_loss(self, instance):
+    def test_in_a_real_triggerer_the_slot_is_free_and_a_killed_triggerer_resumes_without_loss(self, instance, backend):
         self.every_backend_only()
-        if not os.environ.get("SANDBOX_DEFERRED_ALL_BACKENDS"):
-            # Not yet dependable on a loaded machine (issue 26's report): a kill in the moment between relaying
-            # a batch and recording it relays the batch again, and one run lost the restarted triggerer's log.
-            pytest.skip("run with SANDBOX_DEFERRED_ALL_BACKENDS=1; not dependable enough for CI yet")
         run_id = f"run_{uuid.uuid4().hex[:8]}"
-        # Ten lines, a pause the triggerer is killed in (a relayed batch is recorded in the sandbox by the
-        # next poll, about one exec later; a kill inside that moment relays the batch again, see
-        # docs/deferrable.md), then thirty more while no triggerer and then the next one watches.
-        command = 'seq -f "line %g" 1 10; sleep 20; for i in $(seq 11 40); do echo "line $i"; sleep 0.5; done'
+        # Ten lines, then a wait for the file "go", which the test makes once the first triggerer is killed,
+        # then thirty more: however slow the machine, the kill comes in the middle of the command.
+        command = (
+            'seq -f "line %g" 1 10; n=0; while [ ! -e go ] && [ "$n" -lt 1500 ]; do n=$((n + 1)); sleep 0.2; done; '
+            'for i in $(seq 11 40); do echo "line $i"; sleep 0.1; done'
+        )
         assert instance.run_try(run_id, command) == 0
         # The task process has exited: no worker slot is held while the command runs.
         assert instance.task_state(run_id) == "deferred"
-        assert len(self.sandboxes("deferred", run_id)) == 1
+        [handle] = self.sandboxes("deferred", run_id)
+
+        def in_sandbox(text: str) -> str:
+            # As a control program of detached commands runs (run_command would first end the job's processes).
+            return backend._job_exec(handle, text, timeout=60)[1].decode()
+
         first = instance.start_triggerer()
-        instance.wait_lines(10)
-        time.sleep(3)
+        assert instance.wait_lines(10) == [f"line {i}" for i in range(1, 11)]
+        # The relay recorded the ten lines as logged, with nothing in flight (a kill with a batch in flight
+        # repeats it under a warning: tests/triggers/test_sandbox_trigger.py), and the command waits.
+        logged = sum(len(f"line {i}\n") for i in range(1, 11))
+        deadline = time.monotonic() + PATIENCE
+        while in_sandbox("cat /tmp/airflow-sandbox-job.*/kept").split() != [str(logged), "0", str(logged), "0"]:
+            assert time.monotonic() < deadline, in_sandbox("cat /tmp/airflow-sandbox-job.*/kept")
+            time.sleep(0.5)
         instance.kill_triggerer(first)
-        assert len(instance.trigger_lines()) < 40, "the command ended before the triggerer was killed"
-        time.sleep(3)  # the command prints on while no triggerer watches
+        assert first.returncode == -signal.SIGKILL  # killed, not shut down: no cleanup ran
+        assert instance.trigger_lines() == [f"line {i}" for i in range(1, 11)]
+        in_sandbox("touch go")  # the command prints on while no triggerer watches
         instance.start_triggerer()
         instance.wait_state(run_id, {"scheduled", "queued"})
         assert instance.run_try(run_id, command) == 0
         assert instance.task_state(run_id) == "success"
+        # Lines 11-40 were printed only after the kill, and the next triggerer relayed them, after the first ten.
         assert instance.trigger_lines() == [f"line {i}" for i in range(1, 41)]
+        assert "stopped between logging output and recording it" not in instance.log_text()
         assert self.sandboxes("deferred", run_id) == []
 
     @pytest.mark.timeout(REAL_RUN_SECONDS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import subprocess
@@ -155,6 +156,99 @@ def test_without_the_kept_cursor_a_restart_would_relay_lines_twice(hook, handle,
     os.remove(f"/tmp/airflow-sandbox-job.{job.id}/kept")
     first_event(make_trigger(hook, handle, job, caplog))
     assert relayed(caplog) == before + [f"[stdout] line {i}" for i in range(1, 13)]
+
+
+class Killed(BaseException):
+    """What a SIGKILL does to the trigger: it stops where it is, no cleanup, no further call to the sandbox."""
+
+
+async def stop_after_a_batch(trigger, log, *, graceful: bool, lines: int = 3):
+    """
+    Run ``trigger`` until it has logged a batch holding the ``lines``-th line, and stop it at once, before
+    its next poll records that batch: killed (nothing more runs), or shut down (cancelled, then cleanup()
+    as the triggerer calls it).
+    """
+    relay = trigger._relay
+    stop = asyncio.Event()
+
+    def relay_then_stop(state, task_log):
+        moved = relay(state, task_log)
+        if len(relayed(log)) >= lines:
+            if not graceful:
+                raise Killed
+            stop.set()
+        return moved
+
+    trigger._relay = relay_then_stop
+    poll = trigger._poll
+
+    async def poll_unless_stopped(*args, **kwargs):
+        if stop.is_set():
+            await asyncio.sleep(3600)  # cancelled here, as a shutdown finds it
+        return await poll(*args, **kwargs)
+
+    trigger._poll = poll_unless_stopped
+
+    async def run():
+        async for _ in trigger.run():
+            break
+
+    task = asyncio.ensure_future(run())
+    if graceful:
+        await stop.wait()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await trigger.cleanup()
+    else:
+        with pytest.raises(Killed):
+            await task
+
+
+SLOW_LINES = 'for i in $(seq 1 12); do echo "line $i"; sleep 0.2; done'
+
+
+def test_a_trigger_killed_with_a_batch_in_flight_repeats_it_under_a_warning_and_loses_nothing(hook, handle, caplog):
+    job = hook.start_detached(handle, SLOW_LINES, timeout=30, max_output_bytes=1000)
+    asyncio.run(stop_after_a_batch(make_trigger(hook, handle, job, caplog), caplog, graceful=False))
+    before = relayed(caplog)
+    assert 3 <= len(before) < 12
+    first_event(make_trigger(hook, handle, job, caplog))
+    warnings = [i for i, m in enumerate(caplog.messages) if "stopped between logging output and recording" in m]
+    assert len(warnings) == 1, caplog.messages
+    after = [m for m in caplog.messages[warnings[0] :] if m.startswith("[std")]
+    # The killed batch follows the warning again; everything before it was recorded; nothing is lost.
+    repeated = before[len(before) - (len(before) + len(after) - 12) :]
+    assert repeated and after[: len(repeated)] == repeated
+    assert before + after[len(repeated) :] == [f"[stdout] line {i}" for i in range(1, 13)]
+    nbytes = sum(len(line.removeprefix("[stdout] ")) + 1 for line in repeated)
+    assert (
+        f"the next {nbytes} bytes of standard output and 0 of standard error follow again"
+        in caplog.messages[warnings[0]]
+    )
+
+
+def test_without_the_in_flight_record_a_killed_trigger_repeats_its_batch_unannounced(hook, handle, caplog, monkeypatch):
+    # The control of the case above: the kill really falls between logging a batch and recording it.
+    poll = DetachedFakeHook.poll
+    monkeypatch.setattr(DetachedFakeHook, "poll", lambda self, *a, **k: poll(self, *a, **{**k, "in_flight": False}))
+    job = hook.start_detached(handle, SLOW_LINES, timeout=30, max_output_bytes=1000)
+    asyncio.run(stop_after_a_batch(make_trigger(hook, handle, job, caplog), caplog, graceful=False))
+    before = relayed(caplog)
+    first_event(make_trigger(hook, handle, job, caplog))
+    lines = relayed(caplog)
+    assert len(lines) > 12 and sorted(set(lines)) == sorted(f"[stdout] line {i}" for i in range(1, 13))
+    assert lines[len(before)] in before  # a repeat ...
+    assert not any("stopped between logging output" in m for m in caplog.messages)  # ... with no word of it
+
+
+def test_a_trigger_shut_down_with_a_batch_logged_records_it_and_nothing_repeats(hook, handle, caplog):
+    job = hook.start_detached(handle, SLOW_LINES, timeout=30, max_output_bytes=1000)
+    asyncio.run(stop_after_a_batch(make_trigger(hook, handle, job, caplog), caplog, graceful=True))
+    assert 3 <= len(relayed(caplog)) < 12
+    first_event(make_trigger(hook, handle, job, caplog))
+    assert relayed(caplog) == [f"[stdout] line {i}" for i in range(1, 13)]
+    assert not any("stopped between logging output" in m for m in caplog.messages)
 
 
 def test_a_command_past_its_deadline_and_grace_fires_a_timeout(hook, handle, monkeypatch):

@@ -662,6 +662,7 @@ class SandboxHook(BaseHook):
         *,
         max_bytes: int = jobs.POLL_BYTES,
         keep_cursor: bool = False,
+        in_flight: bool = True,
     ) -> JobState:
         """
         Read what detached job ``job`` wrote since ``since`` (byte offsets of each stream; None: the
@@ -671,21 +672,32 @@ class SandboxHook(BaseHook):
         :param keep_cursor: record ``since`` in the sandbox, beside the output, as where this reader
             stands (it handed on everything before it); a reader that restarts finds it in the
             state's ``kept_cursor``. Default False.
+        :param in_flight: with ``keep_cursor``, also record the ends of what this poll returns as in
+            flight (the reader is handing them on until its next record), so a reader that restarts
+            knows which bytes the one before may have handed on unrecorded (the state's
+            ``in_flight``); False records that nothing is in flight. Default True.
         :raises SandboxError: when the sandbox holds no such job.
         :raises SandboxTerminalError: when the sandbox is gone.
         """
         handle = self.check_handle(handle)
         job_id = jobs.check_job_id(job)
         since = JobCursor.from_value(since)
-        return self._poll_job(handle, job_id, since, int(check_byte_count(max_bytes, "max_bytes")), keep_cursor)
+        budget = int(check_byte_count(max_bytes, "max_bytes"))
+        return self._poll_job(handle, job_id, since, budget, keep_cursor, in_flight)
 
     def _poll_job(
-        self, handle: str, job: str, since: JobCursor | None, max_bytes: int, keep_cursor: bool = False
+        self,
+        handle: str,
+        job: str,
+        since: JobCursor | None,
+        max_bytes: int,
+        keep_cursor: bool = False,
+        in_flight: bool = True,
     ) -> JobState:
         self._require_detached()
         code, out, err = self._job_exec(
             handle,
-            jobs.poll_command(job, since, max_bytes, keep_cursor=keep_cursor),
+            jobs.poll_command(job, since, max_bytes, keep_cursor=keep_cursor, in_flight=in_flight),
             timeout=JOB_CONTROL_TIMEOUT,
             max_output_bytes=2 * (4 * (max_bytes // 3 + 1) + 256),
         )

@@ -54,7 +54,7 @@ START_FAILED_STATUS = 125
 
 _JOB_ID = re.compile(r"[0-9a-f]{32}")
 _STATE = re.compile(rb"airflow-sandbox-job (running|ended (-?\d+) ([01]) ([01]))")
-_KEPT = re.compile(rb"kept (\d+) (\d+)")
+_KEPT = re.compile(rb"kept (\d+) (\d+)(?: (\d+) (\d+))?")
 _STREAM = re.compile(rb"(out|err) (\d+) (\d+) (\d+)")
 
 
@@ -124,6 +124,10 @@ class JobState:
     :param stopped: :meth:`~SandboxHook.stop` ended it.
     :param kept_cursor: where a reader last recorded it stood (``poll(..., keep_cursor=True)``), so a
         reader that restarts resumes there; offsets 0 when none did.
+    :param in_flight: the ends of what that reader was handing on when it recorded (what its
+        recording poll returned), as the record stood before this poll: past ``kept_cursor`` when it
+        may have handed on bytes it never recorded (it stopped before its next record); equal to
+        ``kept_cursor`` when nothing was in flight.
     """
 
     stdout: bytes
@@ -136,6 +140,7 @@ class JobState:
     timed_out: bool = False
     stopped: bool = False
     kept_cursor: JobCursor = field(default_factory=JobCursor)
+    in_flight: JobCursor = field(default_factory=JobCursor)
 
     @property
     def ended(self) -> bool:
@@ -186,14 +191,17 @@ def start_command(job: str, command: str, timeout: float, max_output_bytes: int)
     )
 
 
-def poll_command(job: str, since: JobCursor | None, max_bytes: int = POLL_BYTES, *, keep_cursor: bool = False) -> str:
+def poll_command(
+    job: str, since: JobCursor | None, max_bytes: int = POLL_BYTES, *, keep_cursor: bool = False, in_flight: bool = True
+) -> str:
     """
     The command line that reads job ``job``'s state and output from ``since`` on; with ``since``
     None, the last ``max_bytes`` of each stream (the tails of a job that ended). ``keep_cursor``
-    records ``since`` in the job's directory as where the reader stands.
+    records ``since`` in the job's directory as where the reader stands, and with ``in_flight`` the
+    ends of what it returns as what the reader is handing on until its next record.
     """
     start = ("-" + str(int(max_bytes)),) * 2 if since is None else (since.stdout, since.stderr)
-    keep = "keep" if keep_cursor and since is not None else "-"
+    keep = ("keep" if in_flight else "commit") if keep_cursor and since is not None else "-"
     return guest.shell_command("job_poll.sh", job_directory(job), SEGMENT_BYTES, *start, int(max_bytes), keep)
 
 
@@ -243,4 +251,5 @@ def parse_poll(text: bytes, since: JobCursor | None, handle: str) -> JobState:
         timed_out=ended and state.group(3) == b"1",
         stopped=ended and state.group(4) == b"1",
         kept_cursor=JobCursor(int(kept.group(1)), int(kept.group(2))),
+        in_flight=JobCursor(*(int(kept.group(i) or kept.group(i - 2)) for i in (3, 4))),
     )

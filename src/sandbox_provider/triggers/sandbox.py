@@ -9,8 +9,14 @@ as they come, and fires once: when the command ended, when it outlived its deadl
 sandbox is gone. The task then resumes on a worker, reads the result, exports and destroys.
 
 Where the trigger stands in the output is kept in the sandbox, beside the output (Airflow keeps a
-trigger's arguments as they were when the task deferred): a trigger restarted on another triggerer
-resumes from the last line relayed, with no line twice and none left out.
+trigger's arguments as they were when the task deferred): each poll records, in the same call that
+fetches the next output, how far the lines before were logged and which bytes it is about to log
+(in flight). A trigger restarted on another triggerer resumes after the last line recorded as logged;
+when the one before stopped with a batch in flight (killed between logging it and its next poll), the
+batch follows again under a line saying how many bytes of it may already be in the log, so no line is
+ever left out and a repeat is always announced. A triggerer that shuts down (a deploy, a restart)
+records where it stood as it goes: nothing is in flight and nothing repeats. docs/deferrable.md
+states the guarantee.
 """
 
 from __future__ import annotations
@@ -143,6 +149,7 @@ class SandboxCommandTrigger(BaseTrigger):
         self._fired = False
         self._hook_obj: SandboxHook | None = None
         self._failing_since: float | None = None
+        self._work_ended = False
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -197,6 +204,14 @@ class SandboxCommandTrigger(BaseTrigger):
             return
         if state is not None:
             self.cursor = _merged(self.cursor, state.kept_cursor)
+            doubt = _merged(self.cursor, state.in_flight)
+            if doubt != self.cursor:
+                self.log.warning(
+                    "The triggerer before this one stopped between logging output and recording it: the next %d "
+                    "bytes of standard output and %d of standard error follow again, and may already be above",
+                    doubt.stdout - self.cursor.stdout,
+                    doubt.stderr - self.cursor.stderr,
+                )
         while True:
             try:
                 state = await self._poll(hook, self.cursor, keep=True)
@@ -206,6 +221,7 @@ class SandboxCommandTrigger(BaseTrigger):
             if state is not None:
                 moved = self._relay(state, relay)
                 if state.ended and state.caught_up:
+                    await self._settle_log()
                     yield self._event(
                         "ended", f"The command exited with status {state.exit_code}", exit_code=state.exit_code
                     )
@@ -213,6 +229,7 @@ class SandboxCommandTrigger(BaseTrigger):
                 if moved:
                     continue  # more may wait; the next poll also records where this one left off
             if time.time() > self.deadline + DEADLINE_GRACE:
+                await self._settle_log()
                 yield self._event(
                     "timeout",
                     f"The command was still running {DEADLINE_GRACE:g}s after its deadline, which the sandbox did not "
@@ -220,6 +237,18 @@ class SandboxCommandTrigger(BaseTrigger):
                 )
                 return
             await asyncio.sleep(self.poll_interval)
+
+    async def _settle_log(self) -> None:
+        """
+        Before firing, one round trip to the triggerer's supervisor (it reads the task's state), so the
+        supervisor has taken in the lines logged before it: it closes the trigger's log file when it hears
+        the trigger finished, and lines still unread on its log socket then never reach the file (the last
+        six lines of a batch were lost so under load). Best effort: outside a triggerer there is no round trip.
+        """
+        try:
+            await self._task_state()
+        except Exception as err:  # noqa: BLE001 - the event matters more than the wait
+            self.log.debug("Could not reach the triggerer's supervisor before firing: %s", err)
 
     async def _poll(
         self, hook: SandboxHook, since: JobCursor, *, keep: bool, max_bytes: int | None = None
@@ -278,18 +307,32 @@ class SandboxCommandTrigger(BaseTrigger):
 
     async def cleanup(self) -> None:
         """
-        Before Airflow 3.3, the only call on a user's action, as on a triggerer restart: the task's
-        state tells them apart (still deferred: a restart, and the command runs on).
+        The trigger stops without having fired: a triggerer shutting down (the command runs on, and
+        where the relay stands is recorded in the sandbox, nothing in flight), or a user's action.
+        Before Airflow 3.3 this is the only call on a user's action too: the task's state tells them
+        apart (still deferred: a shutdown).
         """
-        if _USER_KILLS_CALL_ON_KILL or self._fired:
+        if self._fired or self._work_ended:
             return
+        if not _USER_KILLS_CALL_ON_KILL:
+            try:
+                state = await self._task_state()
+            except Exception:
+                self.log.warning(
+                    "Could not read the task's state; leaving sandbox %s running", self.handle, exc_info=True
+                )
+                state = None
+            if state is not None and state != "deferred":
+                await asyncio.to_thread(self._end_work, f"the task is {state} while its command was deferred")
+                return
+        await asyncio.to_thread(self._record)
+
+    def _record(self) -> None:
+        """Record in the sandbox that the relay stands at the cursor, nothing in flight (best effort)."""
         try:
-            state = await self._task_state()
-        except Exception:
-            self.log.warning("Could not read the task's state; leaving sandbox %s running", self.handle, exc_info=True)
-            return
-        if state is not None and state != "deferred":
-            await asyncio.to_thread(self._end_work, f"the task is {state} while its command was deferred")
+            self._hook().poll(self.handle, self.job, self.cursor, max_bytes=1, keep_cursor=True, in_flight=False)
+        except Exception as err:  # noqa: BLE001 - shutting down: the next trigger resumes from the last record
+            self.log.warning("Could not record where the relay stands in sandbox %s: %s", self.handle, err)
 
     async def _task_state(self) -> str | None:
         ti = getattr(self, "task_instance", None)
@@ -309,6 +352,7 @@ class SandboxCommandTrigger(BaseTrigger):
         return None if value is None else str(getattr(value, "value", value))
 
     def _end_work(self, why: str) -> None:
+        self._work_ended = True
         hook = self._hook()
         try:
             if self.on_kill_action == "stop":

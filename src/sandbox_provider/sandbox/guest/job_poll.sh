@@ -5,11 +5,15 @@
 #       ("-N" for either: the last N bytes of that stream)
 #   $5  the most bytes of each stream to read now
 #   $6  "keep": record $3 and $4 in the job's directory as where the reader stands (it has handed on
-#       everything before them), unless it stood further already; anything else records nothing
+#       everything before them), and the ends of what this poll returns as in flight (the reader is
+#       handing them on, until its next record); "commit": record $3 and $4 with nothing in flight;
+#       either unless the reader stood further already; anything else records nothing
 #
 # Standard output, five lines and two more:
 #   "airflow-sandbox-job <state>"   state: "running", "ended <exit status> <timed out 0|1> <stopped 0|1>"
-#   "kept <stdout offset> <stderr offset>"   where a reader recorded it stood ("kept 0 0": none did)
+#   "kept <stdout> <stderr> <in flight stdout> <in flight stderr>"   the offsets a reader recorded it
+#                                   stood at ("kept 0 0 0 0": none did), and the ends of what it was
+#                                   handing on then, as the record stood before this poll
 #   "out <from> <total> <newlines>" then the bytes of standard output from byte <from> on (at least
 #                                   the offset asked; more when the segments before were removed),
 #                                   base64 on one line (empty when none)
@@ -20,14 +24,13 @@
 set -u
 dir=$1 seg=$2 max=$5 keep=${6-}
 [ -d "$dir" ] || exit 66
-kept_out=0 kept_err=0
-[ -f "$dir/kept" ] && read -r kept_out kept_err < "$dir/kept"
-case $kept_out$kept_err in ''|*[!0-9]*) kept_out=0 kept_err=0 ;; esac
-if [ "$keep" = keep ] && [ "$3" -ge "$kept_out" ] && [ "$4" -ge "$kept_err" ]; then
-  if [ "$3" -gt "$kept_out" ] || [ "$4" -gt "$kept_err" ]; then
-    echo "$3 $4" > "$dir/kept.$$" && mv -f -- "$dir/kept.$$" "$dir/kept"
-    kept_out=$3 kept_err=$4
-  fi
+kept_out=0 kept_err=0 fly_out= fly_err=
+[ -f "$dir/kept" ] && read -r kept_out kept_err fly_out fly_err < "$dir/kept"
+case $kept_out$kept_err in ''|*[!0-9]*) kept_out=0 kept_err=0 fly_out= fly_err= ;; esac
+case $fly_out$fly_err in ''|*[!0-9]*) fly_out=$kept_out fly_err=$kept_err ;; esac
+record=
+if { [ "$keep" = keep ] || [ "$keep" = commit ]; } && [ "$3" -ge "$kept_out" ] && [ "$4" -ge "$kept_err" ]; then
+  record=$keep kept_out=$3 kept_err=$4
 fi
 if [ -e "$dir/status" ]; then
   read -r rc timed < "$dir/status"
@@ -37,10 +40,10 @@ if [ -e "$dir/status" ]; then
 else
   echo "airflow-sandbox-job running"
 fi
-echo "kept $kept_out $kept_err"
+echo "kept $kept_out $kept_err $fly_out $fly_err"
 
 stream() {
-  name=$1 since=$2 tail=
+  name=$1 since=$2 tail= got=0
   case $since in -*) tail=${since#-} since=0 ;; esac
   first= last=
   for n in $(ls -- "$dir" | sed -n "s/^$name\.0*\([0-9][0-9]*\)\$/\1/p" | sort -n); do
@@ -51,6 +54,7 @@ stream() {
   if [ -z "$last" ]; then
     echo "$name $since 0 $lines"
     echo
+    eval "end_$name=\$since"
     return
   fi
   size=$(wc -c < "$dir/$name.$(printf %09d "$last")" 2>/dev/null || echo 0)
@@ -69,11 +73,18 @@ stream() {
     [ $((from + got)) -lt $(((i + 1) * seg)) ] && break
     i=$((i + 1)) skip=0
   done
+  eval "end_$name=\$((from + got))"
   echo "$name $from $total $lines"
   base64 < "$part" | tr -d '\n'
   echo
   rm -f -- "$part"
 }
 
+end_out=0 end_err=0
 stream out "$3"
 stream err "$4"
+# The record is written last, once what is in flight is known, and replaced whole (never half written).
+if [ -n "$record" ]; then
+  [ "$record" = commit ] && end_out=$3 end_err=$4
+  echo "$3 $4 $end_out $end_err" > "$dir/kept.$$" && mv -f -- "$dir/kept.$$" "$dir/kept"
+fi
