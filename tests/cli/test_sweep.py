@@ -98,7 +98,7 @@ def _events(log: Path) -> list[str]:
 def killed_worker(instance, env: dict, dag_id: str, run_id: str) -> str:
     """Run try 1 of ``<dag_id>.t``, SIGKILL its task process in the middle of the command; the sandbox's handle."""
     root, _ = instance
-    log = root / "logs" / run_id / "1.log"
+    log = root / "logs" / dag_id / run_id / "1.log"  # the Dag id is the test's own: no earlier log or pid file
     supervisor = subprocess.Popen(
         [sys.executable, str(HARNESS), str(root / "dags" / "leftovers.py"), dag_id, "t", run_id, "1"]
         + [os.path.relpath(log, root / "logs")],
