@@ -192,14 +192,17 @@ def task_rows(state_root: str, root: str, *, rounds: int) -> Iterator[Row]:
         with _stderr_to_devnull():
             assert external.execute(context) == 5
 
+    # The removal a task's destroy leaves to a thread (after the result is sent) finishes before either
+    # side's next call, untimed, so it never lands on the other side's time.
+    settle = floors.join_local_removals
     name = "@task.sandbox a+b (new hook)"
     yield from attempt(
         f"{name} vs raw",
-        lambda: (compare(name, ours, "raw bwrap python3 -c", floor, rounds=rounds), "(goal <= 2x)"),
+        lambda: (compare(name, ours, "raw bwrap python3 -c", floor, rounds=rounds, setup=settle), "(goal <= 2x)"),
     )
     yield from attempt(
         f"{name} vs external_python",
-        lambda: (compare(name, ours, "@task.external_python", theirs, rounds=rounds), "(goal <= 0.6x)"),
+        lambda: (compare(name, ours, "@task.external_python", theirs, rounds=rounds, setup=settle), "(goal <= 0.6x)"),
     )
 
 
