@@ -453,7 +453,12 @@ def test_errors_the_model_can_fix_are_retries_and_those_it_cannot_fail_the_task(
 
 def test_a_failed_delete_is_logged_and_does_not_fail_the_task(state_root, caplog):
     class Undeletable(LocalSandboxHook):
+        # Both ways a destroy reaches the backend fail: the whole removal, and ending it without
+        # waiting for the removal (what the session's last step asks for).
         def _destroy(self, handle):
+            raise RuntimeError("the backend is away")
+
+        def _end(self, handle):
             raise RuntimeError("the backend is away")
 
     hook = Undeletable(state_root=str(state_root))
