@@ -50,6 +50,9 @@ class GatewayEgress:
         # Nothing is contacted here (it runs at parse time too): the connection's values are checked as they are read.
         ports = self._egress_argument("egress_ports")
         pins = self._egress_argument("egress_pins")
+        if spec.has_allowlist:
+            # The cap the gateway will hold this sandbox to: a bad one fails here, before provisioning.
+            self._egress_argument("egress_max_connections")
         reason = egress.refusal(name, spec, ports=ports, pins=pins, nsenter=outside)  # type: ignore[arg-type]
         if reason is None and spec.has_allowlist and outside and os.geteuid() != 0:
             reason = (

@@ -32,6 +32,7 @@ Sandboxes as Pods on a Kubernetes cluster, driven through the official ``kuberne
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import re
@@ -48,6 +49,7 @@ from sandbox_provider.sandbox.attach import Attachable, expiry_of
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 from sandbox_provider.sandbox.files import ShellFiles, StreamFiles
 from sandbox_provider.sandbox.hook import Capabilities, ProvisionRequest, SandboxHook
+from sandbox_provider.sandbox.leftovers import SandboxRecord
 from sandbox_provider.sandbox.network import NetworkReach
 from sandbox_provider.sandbox.spec import (
     SandboxSpec,
@@ -546,16 +548,30 @@ class KubernetesSandboxHook(KubernetesExec, KubernetesStamps, StreamFiles, Shell
         This provider's sandboxes in the namespace (running or ended, not those being deleted) whose
         stamps hold every item of ``stamps``, as ``{handle: stamps}``; ``{}`` for ``stamps`` finds all.
         """
-        found = {}
+        return {
+            record.handle: dict(record.stamps)
+            for record in self._pod_records(stamps)
+            if all(record.stamps.get(key) == value for key, value in stamps.items())
+        }
+
+    def sandbox_records(self) -> list[SandboxRecord]:
+        """
+        Every sandbox of this provider in the namespace, with the Pod's phase as its state and the
+        cluster's creationTimestamp as when it was made (set by the API server: the Pod cannot change it).
+        """
+        return sorted(self._pod_records({}), key=lambda record: record.handle)
+
+    def _pod_records(self, stamps: Mapping[str, str]) -> list[SandboxRecord]:
+        records = []
         for pod in self._list(driver.label_selector(stamps), "listing sandboxes"):
             meta = pod["metadata"]
             tags = {str(k): str(v) for k, v in (meta.get("annotations") or {}).items() if k.startswith("airflow_")}
             handle = (meta.get("labels") or {}).get(driver.SANDBOX_LABEL)
             if handle != meta["name"] or meta.get("deletionTimestamp"):
                 continue
-            if all(tags.get(key) == value for key, value in stamps.items()):
-                found[handle] = tags
-        return found
+            phase = (pod.get("status") or {}).get("phase")
+            records.append(SandboxRecord(handle, tags, phase.lower() if phase else None, _timestamp(meta)))
+        return records
 
     def remove_expired(self, *, now: float | None = None) -> list[str]:
         """
@@ -661,3 +677,14 @@ def _api_message(err: Any) -> str:
 
 #: The same class, under the name the public sandbox guide uses for backends.
 KubernetesSandboxBackend = KubernetesSandboxHook
+
+
+def _timestamp(meta: Mapping[str, Any]) -> float | None:
+    """The Pod's creationTimestamp (RFC 3339, UTC, as the API server writes it) in Unix seconds, or None."""
+    text = meta.get("creationTimestamp")
+    if not isinstance(text, str):
+        return None
+    try:
+        return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None

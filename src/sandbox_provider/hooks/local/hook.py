@@ -58,6 +58,7 @@ from sandbox_provider.sandbox.hook import (
     RunOutcome,
     SandboxHook,
 )
+from sandbox_provider.sandbox.leftovers import SandboxRecord
 from sandbox_provider.sandbox.network import NetworkReach
 from sandbox_provider.sandbox.spec import (
     DEFAULT_WORKDIR,
@@ -394,7 +395,14 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
             if cgroups is not None:
                 cgroups.create(handle, cgroups_mod.SandboxLimits.of(limits))
             stamps = {**request.stamps, UID_TAG: str(uid)}
-            record = {"stamps": stamps, "env": dict(request.spec.env or {}), "limits": dict(limits)}
+            # created_at: the worker's clock, in the worker's record beside the box, which nothing
+            # inside the sandbox can write; a sweep by age (airflow sandboxes --older-than) reads it.
+            record = {
+                "stamps": stamps,
+                "env": dict(request.spec.env or {}),
+                "limits": dict(limits),
+                "created_at": time.time(),
+            }
             state.write_record(staging, record, fresh=True)
         except BaseException:
             if cgroups is not None:
@@ -513,16 +521,28 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
 
     def find_sandboxes(self, stamps: Mapping[str, str]) -> dict[str, dict[str, str]]:
         """The sandboxes under the state root whose stamps hold every item of ``stamps``: ``{handle: stamps}``."""
-        found: dict[str, dict[str, str]] = {}
+        return {
+            handle: tags
+            for handle, tags, _ in self._records()
+            if all(tags.get(key) == value for key, value in stamps.items())
+        }
+
+    def sandbox_records(self) -> list[SandboxRecord]:
+        """Every sandbox under the state root, with when the worker made it (None for one made before it was recorded)."""
+        return [SandboxRecord(handle, tags, None, created) for handle, tags, created in sorted(self._records())]
+
+    def _records(self) -> list[tuple[str, dict[str, str], float | None]]:
+        """``(handle, stamps, created_at)`` of each sandbox under the state root whose record can be read."""
+        found = []
         for kind, handle, path in state.classify(self._root()):
             if kind != "sandbox":
                 continue
             try:
-                tags = {str(k): str(v) for k, v in state.read_record(path)["stamps"].items()}
+                record = state.read_record(path)
             except SandboxTerminalError:
                 continue  # being made or removed right now
-            if all(tags.get(key) == value for key, value in stamps.items()):
-                found[handle] = tags
+            stamps = {str(k): str(v) for k, v in record["stamps"].items()}
+            found.append((handle, stamps, record.get("created_at")))
         return found
 
     # -- running ---------------------------------------------------------------------------------------

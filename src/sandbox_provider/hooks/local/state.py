@@ -96,14 +96,18 @@ def box_path(sandbox_dir: str, limits: Mapping[str, Any] | None = None) -> str:
 
 def read_record(path: str) -> dict[str, Any]:
     """
-    The record of the sandbox directory ``path``: ``stamps``, ``env`` and ``limits``.
+    The record of the sandbox directory ``path``: ``stamps``, ``env`` and ``limits``, and
+    ``created_at`` (Unix seconds, by the worker's clock) where the record has it.
 
     :raises SandboxTerminalError: if it cannot be read.
     """
     try:
         with open(os.path.join(path, RECORD), encoding="utf-8") as f:
             record = json.load(f)
-        return {key: dict(record[key]) for key in ("stamps", "env", "limits")}
+        found: dict[str, Any] = {key: dict(record[key]) for key in ("stamps", "env", "limits")}
+        if isinstance(record.get("created_at"), (int, float)):
+            found["created_at"] = float(record["created_at"])
+        return found
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise SandboxTerminalError(f"Sandbox {os.path.basename(path)} has no readable record: {err}") from err
 
