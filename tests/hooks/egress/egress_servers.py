@@ -334,7 +334,7 @@ def assert_battery(hook, handle: str, world: EgressWorld) -> None:
     assert probe(hook, handle, world.url(WILD_NAME)) == {"status": 200, "body": "reached tls\n"}
     assert probe(hook, handle, world.plain_url) == {"status": 200, "body": "reached plain\n"}
     # The same servers, asked for what is not listed.
-    before = len(world.tls.hits)
+    before, host_before = len(world.tls.hits), len(world.host_service.hits)
     refused = {
         "unlisted name": world.url(UNLISTED),
         "listed name, unlisted port": world.url(LISTED, world.other_port),
@@ -349,7 +349,8 @@ def assert_battery(hook, handle: str, world: EgressWorld) -> None:
         assert "body" not in got, (what, got)
         assert got.get("status") == 403 or "403" in got.get("error", ""), (what, got)
     assert len(world.tls.hits) == before
-    assert world.host_service.hits == []
+    # Counted from here: an earlier test of the module may have reached the host's service on purpose (a control).
+    assert world.host_service.hits[host_before:] == []
     # The gateway's socket answers only as a proxy: a plain request to it names no destination.
     direct = run(
         hook,
@@ -364,7 +365,7 @@ def assert_battery(hook, handle: str, world: EgressWorld) -> None:
     )
     raw = run(hook, handle, f"python3 -c {shlex.quote(RAW)} {names} {targets}")
     outcome = json.loads(raw.stdout)
-    assert all(value.startswith("failed") for value in outcome.values()), outcome
+    assert all(value.startswith("failed") for value in outcome.values()), repr(outcome)
     assert len(world.tls.hits) == before and len(world.plain.hits) == 1
 
 

@@ -251,7 +251,12 @@ def test_bad_allowlists_are_refused_before_anything_is_made(make_hook):
         LocalSandboxHook(egress_ports=[0])
 
 
-def test_the_gateway_settings_come_from_the_connection(add_connection, world, tmp_path):
+def test_the_gateway_settings_come_from_the_connection(add_connection, tmp_path):
+    with egress_world() as world:
+        check_settings_from_connection(add_connection, world, tmp_path)
+
+
+def check_settings_from_connection(add_connection, world, tmp_path):
     # The Dag names only the connection: its extras give the gateway its pins and ports, as the form stores them.
     def hook_of(conn_id, **extra):
         paths = {"state_root": str(tmp_path / conn_id / "state"), "uid_lease_dir": str(tmp_path / conn_id / "ids")}
