@@ -32,7 +32,6 @@ Sandboxes as Pods on a Kubernetes cluster, driven through the official ``kuberne
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import re
@@ -570,7 +569,8 @@ class KubernetesSandboxHook(KubernetesExec, KubernetesStamps, StreamFiles, Shell
             if handle != meta["name"] or meta.get("deletionTimestamp"):
                 continue
             phase = (pod.get("status") or {}).get("phase")
-            records.append(SandboxRecord(handle, tags, phase.lower() if phase else None, _timestamp(meta)))
+            made = driver.timestamp(meta.get("creationTimestamp")) or None  # 0: the API gave none
+            records.append(SandboxRecord(handle, tags, phase.lower() if phase else None, made))
         return records
 
     def remove_expired(self, *, now: float | None = None) -> list[str]:
@@ -677,14 +677,3 @@ def _api_message(err: Any) -> str:
 
 #: The same class, under the name the public sandbox guide uses for backends.
 KubernetesSandboxBackend = KubernetesSandboxHook
-
-
-def _timestamp(meta: Mapping[str, Any]) -> float | None:
-    """The Pod's creationTimestamp (RFC 3339, UTC, as the API server writes it) in Unix seconds, or None."""
-    text = meta.get("creationTimestamp")
-    if not isinstance(text, str):
-        return None
-    try:
-        return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
