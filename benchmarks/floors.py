@@ -8,6 +8,7 @@ the provider's code, so a run on another tree of the provider measures against t
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -137,12 +138,18 @@ def raw_bwrap(root: str) -> Callable[[Sequence[str]], subprocess.CompletedProces
 
 def destroy_as_a_task_does(hook, handle: str) -> None:
     """``hook.destroy(handle, wait=False)``, as a task's session destroys; a tree from before issue 32 has no ``wait``."""
-    import inspect
-
-    if "wait" in inspect.signature(hook.destroy).parameters:
+    if _destroy_waits(type(hook)):
         hook.destroy(handle, wait=False)
     else:
         hook.destroy(handle)
+
+
+@functools.cache
+def _destroy_waits(hook_class: type) -> bool:
+    """Whether ``hook_class.destroy`` takes ``wait`` (asked once per class: not timed as part of every round)."""
+    import inspect
+
+    return "wait" in inspect.signature(hook_class.destroy).parameters
 
 
 def join_local_removals(timeout: float = 60.0) -> None:

@@ -19,7 +19,9 @@ command -v prlimit >/dev/null 2>&1 || missing+=(util-linux)
 # libseccomp2: the local sandboxes' system-call filter is built with libseccomp;
 # keyutils: the keyring tests plant a secret with keyctl and try to read it from inside.
 command -v keyctl >/dev/null 2>&1 || missing+=(keyutils)
-ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2' || missing+=(libseccomp2)
+# (grep reads the whole list: with -q it would stop at the first match, ldconfig would die of SIGPIPE,
+# and pipefail would count the library as missing.)
+ldconfig -p 2>/dev/null | grep 'libseccomp\.so\.2' >/dev/null || missing+=(libseccomp2)
 # socat: the egress gateway's forwarder (allow_egress_to on the local and Docker backends); curl and the
 # system Python's pip: the egress tests use them as clients inside the sandboxes.
 command -v socat >/dev/null 2>&1 || missing+=(socat)

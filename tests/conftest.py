@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import tempfile
 
-_HOME = os.environ.get("SANDBOX_TEST_AIRFLOW_HOME") or tempfile.mkdtemp(prefix="sandbox-tests-airflow-")
+#: This process's Airflow home: the one SANDBOX_TEST_AIRFLOW_HOME names, else a folder of its own, made
+#: here and removed when the session passes (_MADE_HOME).
+_MADE_HOME = not os.environ.get("SANDBOX_TEST_AIRFLOW_HOME")
+_HOME = tempfile.mkdtemp(prefix="sandbox-tests-airflow-") if _MADE_HOME else os.environ["SANDBOX_TEST_AIRFLOW_HOME"]
 os.environ["AIRFLOW_HOME"] = _HOME
 os.environ.setdefault("AIRFLOW__CORE__UNIT_TEST_MODE", "True")
 os.environ["AIRFLOW__CORE__LOAD_EXAMPLES"] = "False"
@@ -34,6 +37,8 @@ for _folder in [_TESTS, *sorted(e.path for e in os.scandir(os.path.join(_TESTS, 
     if _folder not in sys.path and not _folder.endswith("__pycache__"):
         sys.path.append(_folder)
 
+import airflow_db  # noqa: E402
+
 #: Fixtures shared across test folders.
 pytest_plugins = ["scripted_model", "pid_namespace", "stats_recorder"]
 
@@ -59,12 +64,71 @@ def pytest_configure(config):
     # than in addopts, so that a virtualenv without pytest-xdist still runs the suite.
     if getattr(config.option, "dist", None) == "load":
         config.option.dist = "loadfile"
+    # Modules are handed out in collection order (see LONG_MODULES), not by their number of tests.
+    if getattr(config.option, "dist", None) == "loadfile":
+        config.option.loadscopereorder = False
+    # One migrated metadata database per session, copied into each test's Airflow home (tests/airflow_db.py);
+    # set before pytest-xdist starts its workers, which inherit it.
+    if getattr(config, "workerinput", None) is None and config.option.basetemp:
+        os.environ[airflow_db.CACHE_ENV] = os.path.join(os.path.abspath(config.option.basetemp), "airflow-db")
+    _name_the_deployment(config)
+
+
+def _name_the_deployment(config) -> None:
+    """
+    Give this session, and each pytest-xdist worker of it, an Airflow deployment of its own
+    (``[sandbox] deployment``), before any test runs and in ``os.environ`` so that the Airflow commands
+    and task processes tests start inherit it: every Docker create sweeps its deployment's sandboxes
+    past their lifetime, and ``airflow sandboxes`` lists and sweeps only them, so a worker never removes
+    a sandbox another worker (or another session on the same Engine) left standing on purpose. The
+    session is ``tests-<6 hex>``, a worker ``tests-<6 hex>-gw<N>``.
+    """
+    worker = getattr(config, "workerinput", None)
+    session = os.environ.get(_SESSION_DEPLOYMENT)
+    if worker is None or not session:  # the controller, a run without xdist, or a worker started elsewhere
+        import secrets
+
+        session = os.environ[_SESSION_DEPLOYMENT] = f"tests-{secrets.token_hex(3)}"
+    name = session if worker is None else f"{session}-{worker['workerid']}"
+    os.environ["AIRFLOW__SANDBOX__DEPLOYMENT"] = name
+
+
+#: The environment variable through which xdist's workers learn their session's deployment name.
+_SESSION_DEPLOYMENT = "SANDBOX_TEST_SESSION_DEPLOYMENT"
 
 
 _MADE_BASETEMP = pytest.StashKey[str]()
 
+#: The modules that take minutes, longest first (their tests' summed durations in a parallel CI leg,
+#: from ``--durations=0``; ``python scripts/module_durations.py LOG`` sums them). Under pytest-xdist
+#: each module runs whole on one worker, and the modules are handed out in collection order
+#: (``loadscopereorder`` off: xdist would hand out the modules with the most tests first, and these
+#: have few), so one collected last would leave a worker running it alone while the others idle;
+#: these are collected first instead. A module missing here or out of order changes only how long a
+#: parallel run takes.
+LONG_MODULES = (
+    "tests/test_worker_kills.py",  # 476 s in CI's Airflow 3.2 leg, 2 workers beside the other leg (5 December 2026)
+    "tests/triggers/test_deferred_docker.py",  # 277 s
+    "tests/cli/test_sweep.py",  # 203 s
+    "tests/hooks/kubernetes/test_kubernetes.py",  # 163 s
+    "tests/hooks/docker/test_docker_hostile.py",  # 102 s
+    "tests/hooks/local/test_local_egress.py",  # 96 s
+    "tests/hooks/docker/test_docker.py",
+    "tests/engine/test_lineage.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Collect the modules of :data:`LONG_MODULES` first, in that order; the rest keep theirs."""
+    rank = {module: place for place, module in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
 
 def pytest_sessionfinish(session, exitstatus):
+    if exitstatus == 0 and _MADE_HOME:
+        import shutil
+
+        shutil.rmtree(_HOME, ignore_errors=True)  # this process's own Airflow home (each xdist worker has one)
     made = session.config.stash.get(_MADE_BASETEMP, None)
     if made is None:
         return
@@ -93,12 +157,7 @@ def add_connection(monkeypatch):
 @pytest.fixture(scope="session")
 def migrated_airflow_db():
     """Migrate the test AIRFLOW_HOME's SQLite database once per session, for tests that run ``dag.test()``."""
-    import subprocess
-    import sys
-
-    subprocess.run(
-        [sys.executable, "-m", "airflow", "db", "migrate"], check=True, env=dict(os.environ), capture_output=True
-    )
+    airflow_db.migrate(os.environ)
     return _HOME
 
 

@@ -29,7 +29,7 @@ def instance(root: Path, **extra: str) -> dict[str, str]:
     folders made reachable for a root worker's sandboxes, its database migrated; returns the environment
     to run this harness in, with ``extra`` added.
     """
-    import subprocess
+    import airflow_db
 
     for folder in (root, *root.parents):
         if str(folder) in ("/", "/tmp"):
@@ -46,7 +46,7 @@ def instance(root: Path, **extra: str) -> dict[str, str]:
         **extra,
     }
     env.pop("AIRFLOW__CORE__UNIT_TEST_MODE", None)
-    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], env=env, check=True, capture_output=True)
+    airflow_db.migrate(env)
     return env
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import importlib
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from sandbox_provider.hooks import BACKENDS
 
 PACKAGE = Path(sandbox_provider.__file__).resolve().parent
 TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
 CONSUMERS = ("operators", "decorators", "toolsets", "example_dags", "get_provider_info")
 
 #: Folder -> the subpackages of sandbox_provider its modules must never import (at module level or in a
@@ -84,3 +87,21 @@ def test_test_module_names_are_unique():
     # the stand-ins on sys.path, so two files of one name in two folders would shadow each other.
     names = Counter(p.name for p in TESTS.rglob("*.py") if p.name != "conftest.py" and "__pycache__" not in p.parts)
     assert [name for name, count in names.items() if count > 1] == []
+
+
+@pytest.mark.parametrize(("mark", "registered"), [("long_lived", True), ("long_livd", False)])
+def test_a_mark_missing_from_the_markers_list_stops_the_run(tmp_path, mark, registered):
+    """pyproject.toml's ``--strict-markers``: a misspelt mark is an error, not a mark that silently does nothing."""
+    (tmp_path / "test_marked.py").write_text(f"import pytest\n\n\n@pytest.mark.{mark}\ndef test_it():\n    pass\n")
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml"), "--rootdir", str(tmp_path)]
+        + ["-p", "no:cacheprovider", "--collect-only", "-q", str(tmp_path / "test_marked.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if registered:
+        assert collected.returncode == 0, collected.stdout + collected.stderr
+    else:
+        assert collected.returncode != 0
+        assert f"'{mark}' not found in `markers` configuration option" in collected.stdout, collected.stdout

@@ -97,6 +97,10 @@ def test_the_deferrable_default_and_the_trigger_are_registered(monkeypatch):
     assert conf.getboolean("sandbox", "default_deferrable") is False  # Airflow reads the provider's default
     monkeypatch.setenv("AIRFLOW__SANDBOX__DEFAULT_DEFERRABLE", "true")
     assert conf.getboolean("sandbox", "default_deferrable") is True
+    deployment = info["config"]["sandbox"]["options"]["deployment"]
+    assert deployment["type"] == "string" and deployment["default"] == ""
+    monkeypatch.delenv("AIRFLOW__SANDBOX__DEPLOYMENT", raising=False)  # conftest.py names one per test worker
+    assert conf.get("sandbox", "deployment") == ""
     (trigger,) = info["triggers"]
     for module in trigger["python-modules"]:
         assert hasattr(importlib.import_module(module), "SandboxCommandTrigger")

@@ -62,6 +62,10 @@ class _SlowPartial(io.RawIOBase):
 
 
 class SlowLocal(LocalFileSystem):
+    # Not "file": the engine writes a local .partial itself (by descriptor, never through a link), so a
+    # store that takes its time must be one the engine treats as remote, writing through its open().
+    protocol = ("slowfile",)
+
     def _open(self, path, mode="rb", **kwargs):
         opened = super()._open(path, mode, **kwargs)
         return _SlowPartial(opened) if "w" in mode and str(path).endswith(".partial") else opened
@@ -70,7 +74,7 @@ class SlowLocal(LocalFileSystem):
 if os.environ.get("SLOW_EXPORTS"):
     from airflow.sdk.io import attach
 
-    attach("file", fs=SlowLocal())
+    attach("file", fs=SlowLocal(auto_mkdir=True))  # as a remote store, where a "directory" needs no making
 
 BACKEND = os.environ.get("TEST_BACKEND") or None
 if BACKEND == "local":

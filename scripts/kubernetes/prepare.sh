@@ -199,7 +199,8 @@ has_deb_src() {
   grep -hqsE '^[[:space:]]*deb-src[[:space:]]' /etc/apt/sources.list /etc/apt/sources.list.d/*.list ||
     grep -hqsE '^Types:.*deb-src' /etc/apt/sources.list.d/*.sources
 }
-source_version() { apt-cache showsrc kubernetes 2>/dev/null | awk '/^Version:/ { print $2; exit }'; }
+# Empty when apt knows no such source (apt-cache then exits 100, which must not end this script).
+source_version() { { apt-cache showsrc kubernetes 2>/dev/null || true; } | awk '/^Version:/ { print $2; exit }'; }
 
 VERSION="$(source_version)"
 if [ -z "$VERSION" ]; then

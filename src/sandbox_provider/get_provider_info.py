@@ -110,6 +110,19 @@ def get_provider_info() -> dict[str, Any]:
                         "example": "True",
                         "default": "False",
                     },
+                    "deployment": {
+                        "description": "A name for this Airflow deployment, stamped on every Docker sandbox it "
+                        "creates (the airflow_deployment label). Docker's sweeps (at every create, remove_expired, "
+                        "airflow sandboxes list/sweep) consider only the sandboxes with the same name, so deployments "
+                        "sharing one Docker Engine never remove each other's sandboxes. Up to 63 letters, digits, "
+                        "'-', '_' and '.', beginning and ending with a letter or digit. Empty: the sandboxes without "
+                        "a deployment name. Other backends isolate deployments by their own namespace, state root or "
+                        "server.",
+                        "version_added": "0.1.0",
+                        "type": "string",
+                        "example": "prod-eu",
+                        "default": "",
+                    },
                 },
             },
         },

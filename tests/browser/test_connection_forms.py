@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 
+import airflow_db
 from conftest import DOCKER_IMAGE, requires_bwrap
 from sandbox_provider.get_provider_info import PORT_FOR_TEST_BUTTON, port_needed_by_test_button
 from sandbox_provider.hooks.forms import docker as docker_form
@@ -112,7 +113,7 @@ def api_server(tmp_path_factory, chromium_path):
     home = tmp_path_factory.mktemp("airflow-home")
     env = _server_env(home)
     airflow = [sys.executable, "-m", "airflow"]
-    subprocess.run([*airflow, "db", "migrate"], env=env, check=True, capture_output=True, timeout=300)
+    airflow_db.migrate(env)
     port = _free_port()
     log = home / "api-server.log"
     with open(log, "wb") as out:

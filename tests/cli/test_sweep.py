@@ -3,8 +3,8 @@
 the middle of a command (a real supervisor and task process, ``tests/task_process.py``) leaves its
 sandbox; the listing names the Dag, task and try that made it; a dry run changes nothing; a sweep
 removes exactly the expired ones and leaves held and owned ones; a second sweep finds nothing. The CLI
-runs as a real ``airflow sandboxes ...`` subprocess on the instance's own metadata database, whose
-task instance states ``--orphans`` reads.
+runs in a real ``airflow`` process (several commands in one: ``cli_batch.py``) on the instance's own
+metadata database, whose task instance states ``--orphans`` reads.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+import cli_batch
 import task_process
 from conftest import DOCKER_IMAGE, requires_bwrap
 from sandbox_provider.cli import sweep as api
@@ -123,13 +124,6 @@ def killed_worker(instance, env: dict, dag_id: str, run_id: str) -> str:
     return handle
 
 
-def airflow(env: dict, *args: str) -> subprocess.CompletedProcess:
-    """``airflow sandboxes ARGS`` as a real command, on the instance."""
-    return subprocess.run(
-        [sys.executable, "-m", "airflow", "sandboxes", *args], env=env, capture_output=True, text=True, timeout=PATIENCE
-    )
-
-
 def test_a_sweep_removes_exactly_the_expired_leftovers(instance, place, monkeypatch):
     conn_id, env, dag_id = place
     left = killed_worker(instance, env, dag_id, "killed")
@@ -186,32 +180,38 @@ def test_the_cli_lists_and_sweeps_a_killed_workers_orphan(instance, place):
     conn_id, env, dag_id = place
     left = killed_worker(instance, env, dag_id, "orphan")
     hook = get_sandbox_hook(conn_id)
+    where = ["--conn-id", conn_id, "--dag-id", dag_id]
     try:
-        listed = airflow(env, "list", "--conn-id", conn_id, "--dag-id", dag_id, "--output", "json")
+        # One airflow process runs them in turn (cli_batch.py): not past its lifetime, the orphan stays
+        # through a plain sweep and a dry run; --orphans reads its task instance's state (failed) from the
+        # database and removes it; a second sweep finds nothing.
+        listed, table, shown, plain, dry, after_dry, swept, again = cli_batch.run(
+            env,
+            ["sandboxes", "list", *where, "--output", "json"],
+            ["sandboxes", "list", *where],
+            ["sandboxes", "show", left, "--conn-id", conn_id, "--output", "json"],
+            ["sandboxes", "sweep", *where],
+            ["sandboxes", "sweep", *where, "--orphans", "--dry-run"],
+            ["sandboxes", "list", *where, "--output", "json"],
+            ["sandboxes", "sweep", *where, "--orphans"],
+            ["sandboxes", "sweep", *where, "--orphans"],
+            timeout=PATIENCE,
+        )
         assert listed.returncode == 0, listed.stderr
         rows = json.loads(listed.stdout)["sandboxes"]
         assert [(r["handle"], r["dag_id"], r["task_id"], r["try_number"]) for r in rows] == [(left, dag_id, "t", "1")]
         assert 0 < rows[0]["lifetime_left_seconds"] <= LONG
-
-        table = airflow(env, "list", "--conn-id", conn_id, "--dag-id", dag_id)
         assert table.returncode == 0 and left in table.stdout, table.stdout + table.stderr
-
-        shown = airflow(env, "show", left, "--conn-id", conn_id, "--output", "json")
         assert shown.returncode == 0 and json.loads(shown.stdout)["stamps"][TASK_ID_TAG] == "t", shown.stderr
 
-        # Not past its lifetime: a plain sweep leaves it; --orphans reads the task instance's state (failed) from the database.
-        plain = airflow(env, "sweep", "--conn-id", conn_id, "--dag-id", dag_id)
         assert plain.returncode == 0 and "Removed 0 sandboxes" in plain.stdout, plain.stdout + plain.stderr
-        dry = airflow(env, "sweep", "--conn-id", conn_id, "--dag-id", dag_id, "--orphans", "--dry-run")
         assert dry.returncode == 0, dry.stdout + dry.stderr
         assert f"would remove {api.Target(conn_id, hook).backend} sandbox {left}" in dry.stdout, dry.stdout
         assert "the task instance that made it is failed" in dry.stdout, dry.stdout
-        assert left in {r.handle for _, r in api.list_sandboxes([conn_id], dag_id=dag_id).found}
+        assert after_dry.returncode == 0 and [r["handle"] for r in json.loads(after_dry.stdout)["sandboxes"]] == [left]
 
-        swept = airflow(env, "sweep", "--conn-id", conn_id, "--dag-id", dag_id, "--orphans")
         assert swept.returncode == 0 and "Removed 1 sandbox," in swept.stdout, swept.stdout + swept.stderr
         assert api.list_sandboxes([conn_id], dag_id=dag_id).found == []
-        again = airflow(env, "sweep", "--conn-id", conn_id, "--dag-id", dag_id, "--orphans")
         assert again.returncode == 0 and "Removed 0 sandboxes" in again.stdout, again.stdout
     finally:
         hook.destroy(left)
@@ -223,9 +223,13 @@ def test_destroy_needs_force_for_a_held_sandbox(instance, place):
     handle = hook.create(spec=SandboxSpec(owner=f"{dag_id}/shared"))
     try:
         hook.attach(handle, owner=f"{dag_id}/shared", holder=f"{dag_id}/shared/agent")
-        refused = airflow(env, "destroy", handle, "--conn-id", conn_id)
+        refused, done = cli_batch.run(
+            env,
+            ["sandboxes", "destroy", handle, "--conn-id", conn_id],
+            ["sandboxes", "destroy", handle, "--conn-id", conn_id, "--force"],
+            timeout=PATIENCE,
+        )
         assert refused.returncode == 1 and f"held by {dag_id}/shared/agent" in refused.stderr, refused.stderr
-        done = airflow(env, "destroy", handle, "--conn-id", conn_id, "--force")
         assert done.returncode == 0, done.stderr
         assert api.list_sandboxes([conn_id], dag_id=dag_id).found == []
     finally:
@@ -236,11 +240,15 @@ def test_sweep_partials_and_bad_input(instance, tmp_path):
     _, env = instance
     (tmp_path / "out.csv.airflow-0123456789ab-1.partial").write_bytes(b"x")
     (tmp_path / "out.csv").write_bytes(b"kept")
-    bad = airflow(env, "sweep", "--conn-id", "no_such_connection")
-    assert bad.returncode != 0
-    unknown = airflow(env, "list", "--backend", "nope")
+    bad, unknown, partials = cli_batch.run(
+        env,
+        ["sandboxes", "sweep", "--conn-id", "no_such_connection"],
+        ["sandboxes", "list", "--backend", "nope"],
+        ["sandboxes", "sweep-partials", tmp_path.as_uri() + "/", "--older-than", "0"],
+        timeout=PATIENCE,
+    )
+    assert bad.returncode != 0 and "no_such_connection" in bad.stdout + bad.stderr, bad
     assert unknown.returncode == 1 and "Unknown backend 'nope'" in unknown.stderr, unknown.stderr
-    partials = airflow(env, "sweep-partials", tmp_path.as_uri() + "/", "--older-than", "0")
     assert partials.returncode == 0, partials.stderr
     assert "Removed 1 partial file." in partials.stdout, partials.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.csv"]

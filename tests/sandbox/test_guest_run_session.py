@@ -62,13 +62,29 @@ def pids_in(path: Path) -> list[int]:
     return [int(word) for word in path.read_text().split()]
 
 
+def started_here(pid: int, mark: str) -> bool:
+    """True while ``pid`` is a live process whose environment holds ``mark`` (one this test started)."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return mark.encode() in environ.split(b"\0") and alive(pid)
+
+
 @pytest.fixture(autouse=True)
-def _reap_leftovers(tmp_path):
-    """A failing test must not leave processes behind: kill every pid its command recorded."""
+def _reap_leftovers(tmp_path, monkeypatch):
+    """
+    A failing test must not leave processes behind: kill every pid its command recorded that is still
+    one of the test's own. A recorded pid whose process ended is free, and on a busy machine another
+    process soon has it (pid_max is often 32768), so a pid alone is never reason to kill: the
+    processes the test starts carry a mark in their environment, and only those are killed.
+    """
+    mark = f"SANDBOX_TEST_STARTED_BY={tmp_path}"
+    monkeypatch.setenv(*mark.split("=", 1))
     yield
     for pidfile in tmp_path.glob("*.pids"):
         for pid in pids_in(pidfile):
-            if alive(pid):
+            if started_here(pid, mark):
                 os.kill(pid, signal.SIGKILL)
 
 

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+import airflow_db
+
 TESTS = Path(__file__).resolve().parents[1]
 HARNESS = TESTS / "task_process.py"
 #: Seconds a step may take on a loaded machine before a test gives up (a bound, not an assertion).
@@ -103,9 +105,7 @@ class Instance:
             "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "6",
         }
         self.env.pop("AIRFLOW__CORE__UNIT_TEST_MODE", None)
-        subprocess.run(
-            [sys.executable, "-m", "airflow", "db", "migrate"], env=self.env, check=True, capture_output=True
-        )
+        airflow_db.migrate(self.env)
         self.triggerers: list[subprocess.Popen] = []
 
     def run_try(self, run_id: str, command: str) -> int:
@@ -284,7 +284,7 @@ class DeferredBattery:
         assert self.sandboxes(dag_id, dag_run.run_id) == []
 
     def test_a_deferred_run_gives_the_xcom_exports_and_asset_events_of_a_plain_one(
-        self, backend, migrated_airflow_db, tmp_path
+        self, backend, migrated_airflow_db, tmp_path, capfd
     ):
         from airflow.sdk import DAG, Asset
 
@@ -310,10 +310,8 @@ class DeferredBattery:
                     poll_interval=1,
                 )
         dag_run = run_dag_defined_here(dag)
-        assert {ti.task_id: str(ti.state) for ti in dag_run.get_task_instances()} == {
-            "plain": "success",
-            "deferred": "success",
-        }
+        states = {ti.task_id: str(ti.state) for ti in dag_run.get_task_instances()}
+        assert states == {"plain": "success", "deferred": "success"}, (states, "".join(capfd.readouterr())[-5000:])
         plain, deferred = _xcom(dag_run, "plain"), _xcom(dag_run, "deferred")
         assert deferred["exports"] == {name: f"file://{out}/deferred/{name[2:]}" for name in ("d/a.txt", "d/b.txt")}
         assert {k: v for k, v in deferred.items() if k != "exports"} == {
@@ -349,12 +347,12 @@ class DeferredBattery:
             )
         dag_run = run_dag_defined_here(dag)
         text = "".join(capfd.readouterr())
-        assert [str(ti.state) for ti in dag_run.get_task_instances()] == ["failed"]
+        assert [str(ti.state) for ti in dag_run.get_task_instances()] == ["failed"], text[-5000:]
         assert re.search(r"exited with status 3 in sandbox \S+\. Last standard error:", text), text[-5000:]
         assert "disk quota exceeded" in text.split("Last standard error:", 1)[1]
         assert self.sandboxes(dag_id, dag_run.run_id) == []
 
-    def test_the_decorator_deferred_returns_the_functions_value(self, backend, migrated_airflow_db):
+    def test_the_decorator_deferred_returns_the_functions_value(self, backend, migrated_airflow_db, capfd):
         from airflow.sdk import DAG, task
 
         from dag_runs import run_dag_defined_here
@@ -371,7 +369,8 @@ class DeferredBattery:
 
             total([1, 2, 3])
         dag_run = run_dag_defined_here(dag)
-        assert [str(ti.state) for ti in dag_run.get_task_instances()] == ["success"]
+        states = [str(ti.state) for ti in dag_run.get_task_instances()]
+        assert states == ["success"], (states, "".join(capfd.readouterr())[-5000:])
         assert _xcom(dag_run, "total") == {"sum": 6}
         assert self.sandboxes(dag_id, dag_run.run_id) == []
 
@@ -403,7 +402,7 @@ class DeferredBattery:
         dag_run = run_dag_defined_here(dag)
         text = "".join(capfd.readouterr())
         states = {ti.task_id: str(ti.state) for ti in dag_run.get_task_instances()}
-        assert set(states.values()) == {"success"}, states
+        assert set(states.values()) == {"success"}, (states, text[-5000:])
         # The work task really deferred (only it), in the provisioned sandbox, its line relayed by the trigger.
         kept = _xcom(dag_run, "provision")
         assert text.count("Pausing task as DEFERRED") == 1, text[-5000:]

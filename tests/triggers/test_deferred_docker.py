@@ -31,4 +31,22 @@ class TestDeferredDocker(DeferredBattery):
         from sandbox_provider.hooks.docker import DockerSandboxHook
         from sandbox_provider.sandbox.spec import DAG_ID_TAG, RUN_ID_TAG
 
-        return sorted(DockerSandboxHook().find_sandboxes({DAG_ID_TAG: dag_id, RUN_ID_TAG: run_id}))
+        found = sorted(DockerSandboxHook().find_sandboxes({DAG_ID_TAG: dag_id, RUN_ID_TAG: run_id}))
+        # A destroy kills the container and leaves its removal to the Engine (auto-remove), so a
+        # destroyed sandbox can still be listed, stopped, for a moment: wait for the Engine to finish
+        # removing each stopped one (up to 30 s); a running one, or one still there, is reported.
+        client = docker.from_env()
+        try:
+            return [handle for handle in found if not self._removed_once_stopped(client, handle)]
+        finally:
+            client.close()
+
+    @staticmethod
+    def _removed_once_stopped(client, handle: str) -> bool:
+        from conftest import container_gone
+
+        try:
+            state = client.api.inspect_container(handle)["State"]
+        except docker.errors.NotFound:
+            return True
+        return not state.get("Running") and container_gone(client, handle, within=30)

@@ -92,17 +92,49 @@ def relayed(log: Recorder) -> list[str]:
 
 
 async def relay_partly(trigger, log, count):
-    """Run ``trigger`` until it relayed ``count`` lines, then cancel it, as a triggerer going away does."""
+    """
+    Run ``trigger`` until it relayed ``count`` lines and then polled once more (that poll records the
+    lines as logged, and finds nothing new: the command waits at its gate), then cancel it, as a
+    triggerer that goes away between batches does.
+    """
+    polls = 0
+    poll = DetachedFakeHook.poll
 
-    async def run():
-        async for _ in trigger.run():
-            break
+    def counted(self, *args, **kwargs):
+        nonlocal polls
+        polls += 1
+        return poll(self, *args, **kwargs)
 
-    task = asyncio.ensure_future(run())
-    while len(relayed(log)) < count:
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.3)  # its next poll records where it stands
-    task.cancel()
+    DetachedFakeHook.poll = counted
+    try:
+
+        async def run():
+            async for _ in trigger.run():
+                break
+
+        task = asyncio.ensure_future(run())
+        deadline = time.monotonic() + 60
+        while len(relayed(log)) < count and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert len(relayed(log)) == count, f"within 60 s: {relayed(log)}"
+        seen = polls
+        while polls < seen + 2 and time.monotonic() < deadline:  # the one under way, then a whole one
+            await asyncio.sleep(0.02)
+        assert polls >= seen + 2, "within 60 s the trigger did not poll again"
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    finally:
+        DetachedFakeHook.poll = poll
+
+
+def gated_lines(gate) -> str:
+    """Lines 1 to 4, then (once ``gate`` exists) lines 5 to 12: a command the test relays part of."""
+    return (
+        'for i in 1 2 3 4; do echo "line $i"; done; '
+        f"while [ ! -e {gate} ]; do sleep 0.05; done; "
+        'for i in $(seq 5 12); do echo "line $i"; sleep 0.05; done'
+    )
 
 
 def end_job(job) -> None:
@@ -132,27 +164,27 @@ def test_lines_are_relayed_in_order_and_the_event_says_how_it_ended(hook, handle
     assert "[stderr] bad" in lines
 
 
-def test_a_restarted_trigger_resumes_after_the_last_line_relayed(hook, handle, caplog):
-    job = hook.start_detached(
-        handle, 'for i in $(seq 1 12); do echo "line $i"; sleep 0.25; done', timeout=30, max_output_bytes=1000
-    )
+def test_a_restarted_trigger_resumes_after_the_last_line_relayed(hook, handle, caplog, tmp_path):
+    gate = tmp_path / "go"
+    job = hook.start_detached(handle, gated_lines(gate), timeout=30, max_output_bytes=1000)
 
     asyncio.run(relay_partly(make_trigger(hook, handle, job, caplog), caplog, 4))
     before = relayed(caplog)
-    assert 4 <= len(before) < 12
+    assert len(before) == 4
+    gate.touch()
     # The new trigger is built from the arguments the task deferred with (cursor at the start).
     event = first_event(make_trigger(hook, handle, job, caplog))
     assert event["status"] == "ended"
     assert relayed(caplog) == [f"[stdout] line {i}" for i in range(1, 13)], before
 
 
-def test_without_the_kept_cursor_a_restart_would_relay_lines_twice(hook, handle, caplog):
+def test_without_the_kept_cursor_a_restart_would_relay_lines_twice(hook, handle, caplog, tmp_path):
     # The positive control of the case above: the same restart, with the sandbox's record removed.
-    job = hook.start_detached(
-        handle, 'for i in $(seq 1 12); do echo "line $i"; sleep 0.25; done', timeout=30, max_output_bytes=1000
-    )
+    gate = tmp_path / "go"
+    job = hook.start_detached(handle, gated_lines(gate), timeout=30, max_output_bytes=1000)
     asyncio.run(relay_partly(make_trigger(hook, handle, job, caplog), caplog, 4))
     before = relayed(caplog)
+    gate.touch()
     os.remove(f"/tmp/airflow-sandbox-job.{job.id}/kept")
     first_event(make_trigger(hook, handle, job, caplog))
     assert relayed(caplog) == before + [f"[stdout] line {i}" for i in range(1, 13)]

@@ -15,6 +15,7 @@ import stat
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from sandbox_provider.sandbox.config import option
 from sandbox_provider.sandbox.errors import SandboxTerminalError
 from sandbox_provider.sandbox.files import special_kind_of
 
@@ -320,13 +321,7 @@ def file_input_dirs() -> list[str] | None:
     (``AIRFLOW__SANDBOX__FILE_INPUT_DIRS``): absolute paths separated by commas. None when unset: any
     file the worker's user can read may be staged.
     """
-    raw = os.environ.get("AIRFLOW__SANDBOX__FILE_INPUT_DIRS")
-    if raw is None:
-        try:
-            from airflow.sdk.configuration import conf
-        except ImportError:  # pragma: no cover - Airflow without the task SDK's configuration
-            from airflow.configuration import conf
-        raw = conf.get("sandbox", FILE_INPUT_DIRS_OPTION, fallback="") or ""
+    raw = option(FILE_INPUT_DIRS_OPTION)
     dirs = [d.strip() for d in raw.split(",") if d.strip()]
     if not dirs:
         return None

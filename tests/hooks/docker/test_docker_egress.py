@@ -107,13 +107,13 @@ def test_a_flood_of_connections_stays_within_the_forwarder_s_bounds(make_hook, c
 
 def test_the_gateway_holds_neither_direction_back_in_memory(make_hook):
     hook = make_hook()
-    rss = egress_servers.assert_flow_controlled(
+    peak = egress_servers.assert_flow_controlled(
         hook,
         lambda spec: create(hook, spec),
         f"127.0.0.1:{egress.FORWARD_PORT}",
         lambda handle: egress._gateway_pid(egress.docker_gateway_dir(handle)),
     )
-    assert rss < 128 << 20, rss
+    assert peak.rss < 128 << 20, peak.rss_at
 
 
 def test_the_gateway_parses_within_its_bounds(make_hook):

@@ -491,24 +491,35 @@ class TreePeak:
     """
     The most processes, threads and open descriptors seen at once in a process and its descendants,
     and the largest resident memory of one of them (bytes), sampled every 20 ms in a thread while
-    the ``with`` block runs (a process that ends is skipped).
+    the ``with`` block runs (a process that ends is skipped). ``phase`` names what the caller is
+    doing (set it between steps); ``rss_at`` says which process had ``rss``, when and in which phase.
     """
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.processes = self.threads = self.files = self.rss = 0
+        self.phase, self.rss_at = "", ""
         self._stop = threading.Event()
 
     def _sample(self) -> None:
+        import time
+
         import psutil
 
-        root = psutil.Process(self.pid)
+        root, start = psutil.Process(self.pid), time.monotonic()
         while not self._stop.is_set():
             processes = threads = files = 0
             for process in [root, *root.children(recursive=True)]:
                 with contextlib.suppress(psutil.Error):
                     threads, files = threads + process.num_threads(), files + process.num_fds()
-                    self.rss = max(self.rss, process.memory_info().rss)
+                    rss = process.memory_info().rss
+                    if rss > self.rss:
+                        role = "the root" if process.pid == self.pid else f"a child of {process.ppid()}"
+                        self.rss_at = (
+                            f"{rss} bytes in pid {process.pid} ({role}) {time.monotonic() - start:.2f} s in, "
+                            f"phase {self.phase or '-'}"
+                        )
+                        self.rss = rss
                     processes += 1
             self.processes, self.threads = max(self.processes, processes), max(self.threads, threads)
             self.files = max(self.files, files)
@@ -643,14 +654,15 @@ print(json.dumps({"sent": sent, "read": got}))
 """
 
 
-def assert_flow_controlled(hook, create, target: str, gateway_pid) -> int:
+def assert_flow_controlled(hook, create, target: str, gateway_pid) -> TreePeak:
     """
     The gateway holds neither direction back in memory: a sandbox that never reads four downloads
     (from a server that sends as fast as it can) and pushes 256 MiB into four uploads (to a server
     that never reads) holds the gateway at a few MiB, and the senders on both ends are held back by
     the kernel. Positive controls in the same sandbox: a tunnel that reads gets 256 MiB through at
     once, and the same uploads to a server that reads get all of it through. Returns the gateway's
-    largest resident memory (bytes) while the sandbox pushed.
+    :class:`TreePeak` while the sandbox pulled and pushed (its ``rss``: the largest resident memory
+    of one of its processes, bytes; ``rss_at``: which, when, and with the downloads or the uploads).
 
     :param create: makes a sandbox of a spec on ``hook`` and returns its handle.
     :param target: the proxy as the sandbox reaches it (``SANDBOX_SOCKET``, or ``127.0.0.1:3128``).
@@ -674,7 +686,9 @@ def assert_flow_controlled(hook, create, target: str, gateway_pid) -> int:
                 return json.loads(result.stdout)
 
             with TreePeak(gateway_pid(handle)) as peak:
+                peak.phase = "downloads"
                 hoarded = flow(f"{source}:{source_port}", 0, 0, 5, big)
+                peak.phase = "uploads"
                 pushed = flow(f"{sink}:{sink_port}", big, 8, 0, 0)
             # Downloads: the four never read got little past the kernel's buffers; the fifth read 256 MiB.
             assert hoarded["read"] >= big and len(poured) == 5 and max(poured[:4]) < 64 << 20, (hoarded, poured)
@@ -682,7 +696,7 @@ def assert_flow_controlled(hook, create, target: str, gateway_pid) -> int:
             assert max(pushed["sent"]) < 64 << 20, pushed
             # Positive control: into one that reads, all of it goes.
             assert flow(f"{drain}:{drain_port}", big // 4, 60, 0, 0)["sent"] == [big // 4] * 4
-    return peak.rss
+    return peak
 
 
 #: Runs inside a sandbox: fetches argv[1] with urllib through the proxy variables; prints how many

@@ -28,6 +28,7 @@ from sandbox_provider.sandbox.spec import (
     NETWORK_TAG,
     OWNER_TAG,
     WORKDIR_TAG,
+    SandboxExecResult,
     SandboxSpec,
 )
 
@@ -333,6 +334,52 @@ def test_the_deadline_is_clamped_to_the_lifetime_and_the_cluster_ends_the_pod(ku
         assert status.reason == "DeadlineExceeded", status
         with pytest.raises(SandboxTerminalError):
             sh(hook, handle, "true")
+    finally:
+        hook.destroy(handle)
+
+
+@pytest.mark.parametrize("settle", [0.0, driver.ENDING_SETTLE_SECONDS], ids=["control-no-wait", "waits"])
+def test_a_command_the_clusters_deadline_kills_reads_as_the_sandbox_ending(kubernetes_conn, admin, monkeypatch, settle):
+    """
+    At the Pod's deadline the kubelet kills the container first and reports the Pod's end after, so
+    the exec can end in a SIGKILL while the Pod still reads as running (a CI run saw exit 137 with
+    neither timed_out nor sandbox_terminated). The report is held back here for four reads; the
+    control, which reads once, gets the wrong answer, and the hook, which waits, the right one.
+    """
+    core, _, namespace = admin
+    monkeypatch.setattr(driver, "ENDING_SETTLE_SECONDS", settle)
+    hook = KubernetesSandboxHook(kubernetes_conn, sandbox_timeout=5)
+    handle = hook.create(spec=SandboxSpec(block_network=False))
+    try:
+        running = json.loads(core.read_namespaced_pod(handle, namespace, _preload_content=False).data)["status"]
+        assert driver.is_running({"status": running})
+        hook._known_expiry[handle] += 300  # this hook's own deadline comes long after the cluster's
+        held_back = []
+        real_json = hook._json
+
+        def late_report(response):
+            pod = real_json(response)
+            if not driver.is_running(pod) and len(held_back) < 4:
+                held_back.append(pod["status"].get("reason"))
+                pod["status"] = running
+            return pod
+
+        monkeypatch.setattr(hook, "_json", late_report)
+        began = time.monotonic()
+        try:
+            result = sh(hook, handle, "sleep 120", timeout=200)
+        except SandboxError as err:  # the exec ended with no status and the Pod read as running
+            result = err
+        assert time.monotonic() - began < 100, "the cluster did not end the command at the Pod's deadline"
+        if settle == 0.0:
+            # Read once, the Pod reads as running: held back here, or (held_back empty) because the
+            # cluster's own report came later than that one read, the race this test is about.
+            assert not getattr(result, "sandbox_terminated", False), (result, held_back)
+        else:
+            assert held_back, "the hook never read the ended Pod"
+            assert isinstance(result, SandboxExecResult) and result.sandbox_terminated, result
+            assert not result.timed_out, result
+            assert len(held_back) == 4
     finally:
         hook.destroy(handle)
 

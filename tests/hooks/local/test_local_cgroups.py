@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shlex
 import subprocess
+import sys
 import time
 import uuid
 
@@ -193,3 +195,103 @@ def test_remove_kills_everything_and_is_idempotent(cgroups):
     cgroups.remove_parents()  # not while a sandbox's cgroup is in it
     assert os.path.isdir(os.path.join(cgroups.parents["pids"], "again"))
     cgroups.remove("again")
+
+
+def test_the_pids_of_a_cgroup_removed_while_read_are_none(cgroups, monkeypatch):
+    """A removal (the removal thread's, a sweep's) may take a cgroup between another reader's open and its read."""
+    cgroups.create("gone", SandboxLimits(max_processes=5))
+    procs = os.path.join(cgroups.parents["pids"], "gone", "cgroup.procs")
+    with open(procs, encoding="ascii") as opened:
+        cgroups.remove("gone")
+        if cgroups.version == 1:  # the control: what such a reader meets on v1
+            with pytest.raises(OSError) as err:
+                opened.read()
+            assert err.value.errno == errno.ENODEV
+
+    def removed_meanwhile(path, *args, **kwargs):
+        raise OSError(errno.ENODEV, "No such device", path)
+
+    monkeypatch.setattr(_local_cgroups, "open", removed_meanwhile, raising=False)
+    assert _local_cgroups._read_pids(procs) == []
+
+
+# -- a kill ends the sandbox's processes, never a worker starting a command there --------------------------
+
+#: A "worker": its spawner-like thread moves into the sandbox's cgroup (v1 ``tasks``) and stays there,
+#: as the spawner does for the moment it forks; with ``kill``, the worker itself then kills the cgroup.
+VISITING_WORKER = """
+import contextlib, sys, threading, time
+from sandbox_provider.hooks.local import cgroups as mod, spawner
+cgroups = mod.Cgroups(version=1, parents=dict(eval(sys.argv[1])), mounts=dict(eval(sys.argv[2])))
+inside, leave = threading.Event(), threading.Event()
+
+def visit():
+    with getattr(spawner, "placing", None) or contextlib.nullcontext():  # as the spawner holds it
+        for enter, back in cgroups.placement("v")():
+            with open(enter, "w") as f:
+                f.write("0")
+        inside.set()
+        leave.wait()
+
+threading.Thread(target=visit, daemon=True).start()
+if not inside.wait(30):
+    sys.exit("the thread did not enter the cgroup within 30 s")
+print("inside", flush=True)
+sys.stdin.readline()  # the test has seen both processes in the cgroup
+if sys.argv[3] == "kill":
+    threading.Timer(1.0, leave.set).start()  # the spawn ends; the kill waits for it
+    cgroups.kill("v")
+    print("survived", flush=True)
+"""
+
+
+def _visiting_worker(cgroups: Cgroups, mode: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            VISITING_WORKER,
+            repr(sorted(cgroups.parents.items())),
+            repr(sorted(cgroups.mounts.items())),
+            mode,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _next_mark(worker: subprocess.Popen) -> str:
+    """The worker's next line of its own (Airflow's configuration may log a line first)."""
+    for line in worker.stdout:
+        if line in ("inside\n", "survived\n"):
+            return line
+    return f"(ended: {worker.wait(10)})"
+
+
+@pytest.mark.parametrize("where", ["another worker", "the same worker"])
+def test_a_kill_spares_a_worker_whose_spawner_is_in_the_cgroup(cgroups, where):
+    if cgroups.version != 1:
+        pytest.skip("on cgroup v2 the spawner never enters a sandbox's cgroup (each command's process is moved)")
+    cgroups.create("v", SandboxLimits(max_processes=20))
+    sandboxed = _spawn_in(cgroups, "v", "echo up; exec sleep 60")
+    worker = _visiting_worker(cgroups, "kill" if where == "the same worker" else "wait")
+    try:
+        assert sandboxed.stdout.readline() == b"up\n"
+        assert _next_mark(worker) == "inside\n"
+        # The control: the worker is listed among the cgroup's processes, beside the sandbox's own.
+        assert {sandboxed.pid, worker.pid} <= set(cgroups.members("v"))
+        if where == "another worker":
+            cgroups.kill("v")
+        worker.stdin.write("go on\n")
+        worker.stdin.flush()
+        if where == "the same worker":
+            assert _next_mark(worker) == "survived\n"
+        assert worker.wait(timeout=10) == 0  # not killed
+        assert sandboxed.wait(timeout=10) == -9  # the sandbox's process was
+    finally:
+        for proc in (worker, sandboxed):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        cgroups.remove("v")

@@ -103,6 +103,27 @@ def test_the_user_is_dropped_in_the_chain_so_the_worker_can_vfork():
         assert out.split() == [str(SANDBOX_UID), str(SANDBOX_UID)]
 
 
+def test_a_launch_has_a_process_group_of_its_own_in_the_workers_session():
+    """
+    The worker kills a launch by its process group; a new session for it would cost a new scheduler
+    autogroup per command. The sandbox's own first process still starts a session of its own.
+    """
+    sessions = {}
+    for bwrap in (BWRAP, [*BWRAP, "--new-session"]):
+        started = _start(["sh", "-c", "ps -o sid= -p $$; sleep 30"], bwrap=bwrap)
+        try:
+            # The session's leader as the sandbox sees it: 0 when it lies outside its PID namespace.
+            sessions[len(bwrap)] = int(started.proc.stdout.readline())
+            assert os.getpgid(started.proc.pid) == started.proc.pid != os.getpgid(0)
+            assert os.getsid(started.proc.pid) == os.getsid(0)
+        finally:
+            _local_driver.kill_group(started.proc.pid)
+            started.proc.communicate()
+            os.close(started.status_fd)
+    assert sessions[len(BWRAP)] == 0  # the control: without --new-session it is the worker's session
+    assert sessions[len(BWRAP) + 1] != 0  # with it (as the backend runs), one begun inside the sandbox
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="cgroups need a root worker here")
 def test_the_first_instruction_already_runs_in_the_cgroup():
     name = f"airflow-sandbox-test-{uuid.uuid4().hex[:8]}"

@@ -125,13 +125,13 @@ def test_a_flood_of_connections_stays_within_the_gateway_s_bounds(make_hook, cap
 
 def test_the_gateway_holds_neither_direction_back_in_memory(make_hook):
     hook = make_hook()
-    rss = egress_servers.assert_flow_controlled(
+    peak = egress_servers.assert_flow_controlled(
         hook,
         lambda spec: hook.create(spec=spec),
         egress.SANDBOX_SOCKET,
         lambda handle: egress._gateway_pid(gateway_dir(hook, handle)),
     )
-    assert rss < 128 << 20, rss
+    assert peak.rss < 128 << 20, peak.rss_at
 
 
 def test_plain_http_bodies_are_held_to_the_gateway_s_budget(make_hook, world, monkeypatch):

@@ -109,6 +109,8 @@ class SandboxRecord:
     #: The process that holds the sandbox's namespaces, and descriptors of its user and PID namespaces.
     holder: asyncio.subprocess.Process | None = None
     namespaces: tuple[int, int] | None = None
+    #: Held while the holder starts, so that two first commands at once make one holder.
+    holding: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def workdir(self) -> str:
@@ -216,27 +218,44 @@ def _root_argv(record: SandboxRecord) -> list[str]:
 
 
 async def _hold(record: SandboxRecord) -> tuple[int, int]:
-    """The sandbox's user and PID namespaces, made by a holder process on first use."""
-    if record.namespaces is not None:
-        return record.namespaces
-    read, write = os.pipe()
-    try:
-        record.holder = await asyncio.create_subprocess_exec(
-            "bwrap", "--die-with-parent", "--unshare-user", "--uid", "0", "--gid", "0", "--unshare-pid",
-            "--unshare-net", "--info-fd", str(write), *_root_argv(record), "--", "sleep", "infinity",
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-            pass_fds=(write,), start_new_session=True,
-        )  # fmt: skip
-        os.close(write)
-        write = -1
-        info = await asyncio.get_running_loop().run_in_executor(None, _read_all, read)
-    finally:
-        os.close(read)
-        if write >= 0:
+    """
+    The sandbox's user and PID namespaces, made by a holder process on first use.
+
+    They are returned once they are ready to join: bubblewrap reports the holder's pid (``--info-fd``)
+    before the holder has written its user namespace's uid and gid maps, and a command's bubblewrap
+    that joins the namespace in that moment runs with no uid, so the kernel refuses the credentials
+    it sends ("Can't send pid: Invalid argument") and the command exits 1. The holder's own command
+    says ``ready`` on its stdout, which it can only do once bubblewrap has set the namespace up.
+    """
+    async with record.holding:
+        if record.namespaces is not None:
+            return record.namespaces
+        read, write = os.pipe()
+        try:
+            record.holder = await asyncio.create_subprocess_exec(
+                "bwrap", "--die-with-parent", "--unshare-user", "--uid", "0", "--gid", "0", "--unshare-pid",
+                "--unshare-net", "--info-fd", str(write), *_root_argv(record),
+                "--", "sh", "-c", "echo ready && exec sleep infinity",
+                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+                pass_fds=(write,), start_new_session=True,
+            )  # fmt: skip
             os.close(write)
-    child = json.loads(info)["child-pid"]
-    record.namespaces = (os.open(f"/proc/{child}/ns/user", os.O_RDONLY), os.open(f"/proc/{child}/ns/pid", os.O_RDONLY))
-    return record.namespaces
+            write = -1
+            info = await asyncio.get_running_loop().run_in_executor(None, _read_all, read)
+        finally:
+            os.close(read)
+            if write >= 0:
+                os.close(write)
+        assert record.holder.stdout is not None
+        said = await record.holder.stdout.readline()
+        if said != b"ready\n":
+            raise GRPCError(Status.INTERNAL, f"the sandbox's namespace holder did not start (it said {said!r})")
+        child = json.loads(info)["child-pid"]
+        record.namespaces = (
+            os.open(f"/proc/{child}/ns/user", os.O_RDONLY),
+            os.open(f"/proc/{child}/ns/pid", os.O_RDONLY),
+        )
+        return record.namespaces
 
 
 def _read_all(fd: int) -> bytes:

@@ -201,6 +201,34 @@ def test_a_sandbox_ends_at_its_lifetime_and_runs_nothing_after(modal_server):
     assert modal_server.running_commands() == {sandbox.object_id: []}
 
 
+def test_the_first_command_of_a_fresh_sandbox_joins_a_ready_namespace(modal_server):
+    """
+    A sandbox's first command starts the holder of its namespaces and joins them at once. Bubblewrap
+    reports the holder before it has mapped its user namespace's uids, and a command that joined in
+    that moment failed with exit status 1 ("Can't send pid: Invalid argument"): seen under load as
+    a first ``write_file`` that exited 1. For each fresh sandbox, the namespace must have its uid map
+    the moment the holder is handed out, and a command started right then must run.
+    """
+    from modal_worker import BASE_ENV, ExecRecord, _hold, start
+
+    async def first_command(record) -> tuple[str, int | None, bytes]:
+        await _hold(record)
+        (inside,) = Path(f"/proc/{record.holder.pid}/task/{record.holder.pid}/children").read_text().split()
+        uid_map = Path(f"/proc/{inside}/uid_map").read_text().strip()  # read in the same step, nothing awaited
+        command = ExecRecord(exec_id="ex-first", argv=["true"], workdir="/", env=dict(BASE_ENV), timeout_secs=30)
+        record.execs[command.exec_id] = command
+        await start(record, command)
+        await command.done.wait()
+        return uid_map.split()[:1][0] if uid_map else "", command.exit_code, bytes(command.output[2])
+
+    hook = ModalSandboxHook(modal_conn_id=None)
+    for _ in range(20):
+        handle = hook.create(spec=SandboxSpec())
+        assert modal_server.sandbox(handle).namespaces is None  # no command has run in it yet
+        assert modal_server.run(first_command(modal_server.sandbox(handle))) == ("0", 0, b"")
+        hook.destroy(handle)
+
+
 def test_a_sandbox_has_no_network_whatever_it_asked_for(modal_server):
     """The stand-in cannot filter by hostname, so no sandbox reaches anything; what was asked for is recorded."""
     port = int(modal_server.url.rsplit(":", 1)[1])

@@ -53,6 +53,22 @@ def _engine_errors() -> tuple[type[BaseException], ...]:
     return (docker.errors.DockerException, requests.exceptions.RequestException, OSError)
 
 
+def _check_whole(handle: str, end: docker_exec.ExecEnd) -> None:
+    """
+    Refuse the output of a program that writes a status trailer last (the runner, a file operation,
+    a control program under docker_op.sh) when it exited by itself (a status under 128) and no
+    trailer came: its output was cut short on the way.
+
+    :raises SandboxError: saying so.
+    """
+    if end.exit_code is not None and end.exit_code < 128 and not (end.trailed or end.swept or end.error):
+        raise SandboxError(
+            f"The output of a program in sandbox {handle} was cut short: it exited with status {end.exit_code}, "
+            "but its output stream from the Docker Engine ended before the program's last line. What it printed "
+            "may be incomplete, so none of it is used; run it again (the sandbox is unharmed)."
+        )
+
+
 class DockerExec(batch.ExecTransfers):
     """Mixin: ``_run``, file operations and batch transfers over exec; put it first in the bases."""
 
@@ -177,6 +193,7 @@ class DockerExec(batch.ExecTransfers):
         code = end.exit_code
         if terminated or code is None:
             return RunOutcome(exit_code=-1, timed_out=end.swept, sandbox_terminated=True)
+        _check_whole(handle, end)
         return RunOutcome(exit_code=code, timed_out=end.swept or (code in (124, 137) and elapsed >= timeout))
 
     def _check_keeper(self, handle: str, end: docker_exec.ExecEnd, first: bytes | bytearray) -> None:
@@ -271,7 +288,16 @@ class DockerExec(batch.ExecTransfers):
                 driver.mark_swept(handle, False)
             fresh = driver.is_fresh(handle)
             # A control program past its deadline is left as it is: the job must live on.
-            end = self._launch(handle, ["sh", "-c", command], timeout=timeout, on_output=deliver, sweep=lambda: True)
+            # Under docker_op.sh, which ends the output with a trailer once the program returns. Its
+            # status is the Engine's: the job it checks on runs beside it, as the same user.
+            end = self._launch(
+                handle,
+                driver.op_argv(command, "sandbox-control"),
+                timeout=timeout,
+                on_output=deliver,
+                sweep=lambda: True,
+                trust_status=False,
+            )
         if fresh:
             self._check_keeper(handle, end, output.err.getvalue())
         if end.error is not None:
@@ -281,6 +307,7 @@ class DockerExec(batch.ExecTransfers):
                 self._forget(handle)
                 raise SandboxTerminalError(f"Sandbox {handle} ended while a detached command was checked on.")
             raise SandboxError(f"Checking on a detached command in sandbox {handle} took longer than {timeout:g}s.")
+        _check_whole(handle, end)
         return end.exit_code
 
     def _op_argv(self, program: str, args: Sequence[str]) -> list[str]:

@@ -19,6 +19,7 @@ from typing import Any
 
 from sandbox_provider.hooks.docker import guest as docker_guest
 from sandbox_provider.sandbox import guest
+from sandbox_provider.sandbox.deployment import DEPLOYMENT_TAG
 from sandbox_provider.sandbox.errors import SandboxTerminalError
 from sandbox_provider.sandbox.spec import (
     DAG_ID_TAG,
@@ -159,11 +160,11 @@ def deadline_arg(seconds: float) -> str:
     return f"{millis // 1000}.{millis % 1000:03d}"
 
 
-def container_config(api: Any, settings: Mapping[str, Any], request: Any) -> dict[str, Any]:
+def container_config(api: Any, settings: Mapping[str, Any], request: Any, deployment: str = "") -> dict[str, Any]:
     """
     The ``create_container`` arguments for a sandbox (``request``, a ``ProvisionRequest``): the keeper
-    as root, the command user and the creation stamps as labels, ``HOME`` the workdir unless the
-    spec sets one.
+    as root, the command user, the creation stamps and the deployment (``[sandbox] deployment``, no
+    label when empty) as labels, ``HOME`` the workdir unless the spec sets one.
     """
     user = command_user(settings["sandbox_uid"], settings["run_as_root"])
     return {
@@ -174,7 +175,7 @@ def container_config(api: Any, settings: Mapping[str, Any], request: Any) -> dic
         "user": "0:0",
         "environment": {"HOME": request.workdir, **dict(request.spec.env or {})},
         "working_dir": request.workdir,
-        "labels": {**request.stamps, SANDBOX_LABEL: request.name, USER_LABEL: user},
+        "labels": {**request.stamps, **deployment_labels(deployment), SANDBOX_LABEL: request.name, USER_LABEL: user},
         "host_config": host_config(
             api, settings, block_network=request.spec.block_network, run_as_root=settings["run_as_root"]
         ),
@@ -345,11 +346,25 @@ class DockerSandboxInfo:
         return self.stamps.get(DAG_ID_TAG) == dag_id or (self.owner or "").startswith(dag_id + "/")
 
 
-def label_filters(**stamps: Any) -> dict[str, list[str]]:
-    """The Engine's label filter for the provider's containers with these stamps (None: any)."""
+def label_filters(deployment: str, **stamps: Any) -> dict[str, list[str]]:
+    """
+    The Engine's label filter for the provider's containers of ``deployment`` with these stamps (None:
+    any). The Engine cannot filter on a missing label: for ``deployment=""``, :func:`in_deployment`
+    leaves out the containers of named deployments.
+    """
     keys = {"owner": OWNER_TAG, "run_id": RUN_ID_TAG, "task_id": TASK_ID_TAG, "map_index": MAP_INDEX_TAG}
     wanted = [f"{keys[name]}={value}" for name, value in stamps.items() if value is not None]
-    return {"label": [SANDBOX_LABEL, *wanted]}
+    return {"label": [SANDBOX_LABEL, *wanted, *(f"{k}={v}" for k, v in deployment_labels(deployment).items())]}
+
+
+def deployment_labels(deployment: str) -> dict[str, str]:
+    """The label a sandbox of ``deployment`` carries: none for the unnamed deployment (``""``)."""
+    return {DEPLOYMENT_TAG: deployment} if deployment else {}
+
+
+def in_deployment(labels: Mapping[str, str], deployment: str) -> bool:
+    """True when a container with ``labels`` belongs to ``deployment`` (``""``: it carries no deployment label)."""
+    return labels.get(DEPLOYMENT_TAG, "") == deployment
 
 
 def info_of(item: Mapping[str, Any]) -> DockerSandboxInfo:

@@ -5,7 +5,8 @@ from the stream's last bytes.
 
 **The output** arrives as the Engine's multiplexed frames (an 8-byte header, then up to 32 KiB).
 The pump reads each payload straight from the socket into one new ``bytes`` (one copy per byte on
-the worker) and hands it on, so an export runs at the speed the Engine delivers.
+the worker) and hands it on, so an export runs at the speed the Engine delivers; it starts with
+the bytes the HTTP client may already have read past the response's headers (``_read_ahead``).
 
 **The exit status** comes as a trailer that the guest program writes on its standard error as its
 very last bytes: ``\\x1esandbox-status:<token>:<status>\\n`` (the runner may add ``:<base64>``, a
@@ -40,6 +41,8 @@ STREAM_CLOSE_WAIT = 5.0
 STDIN_CHUNK_BYTES = 1024 * 1024
 #: Most bytes of one frame read at once (the Engine's frames are smaller).
 READ_CHUNK_BYTES = 1024 * 1024
+#: A frame's header: the stream (1 stdout, 2 stderr), three zero bytes, the length (big-endian).
+FRAME_HEADER_BYTES = 8
 #: The environment variable that carries an exec's status token to its guest program.
 STATUS_ENV = "AIRFLOW_SANDBOX_STATUS"
 #: How a status trailer begins (the token, a colon, the status and a newline follow).
@@ -61,6 +64,9 @@ class ExecEnd:
     :param reported: the exit status came from the program's own trailer (no request was needed).
     :param read_back: the bytes of the file the runner read back on its trailer, if it did (only
         with a trusted status).
+    :param trailed: a status trailer ended the output (trusted or not). A program that always
+        writes one (the runner, a file operation) and exited by itself without it lost the end of
+        its output on the way.
     """
 
     exit_code: int | None
@@ -71,6 +77,7 @@ class ExecEnd:
     started: bool = True
     reported: bool = False
     read_back: bytes | None = None
+    trailed: bool = False
 
 
 class _Trailer:
@@ -139,14 +146,16 @@ def run_exec(
 
     The program gets a status token in ``AIRFLOW_SANDBOX_STATUS``; the status trailer it writes
     last with it is taken off standard error and, with ``trust_status``, used as the exit status.
+    Whether one came is in :attr:`ExecEnd.trailed`, which a caller whose program always writes the
+    trailer checks: without it, the output did not arrive whole.
 
     :raises docker.errors.APIError: when the exec cannot be created or started.
     """
     token = secrets.token_hex(16)
-    exec_id, raw = _start(
+    exec_id, raw, early = _start(
         api, container, argv, user, workdir, stdin is not None, {**(environment or {}), STATUS_ENV: token}
     )
-    pump = _Pump(raw, on_output, _Trailer(token))
+    pump = _Pump(raw, on_output, _Trailer(token), early)
     reader = threading.Thread(target=pump.run, daemon=True, name=f"exec-{container}")
     reader.start()
     read = [0]
@@ -168,44 +177,89 @@ def run_exec(
     if feeder is not None:
         feeder.join(STREAM_CLOSE_WAIT)
     error = pump.failure if not abandoned else None
-    if trust_status and pump.trailer.status is not None and not swept:
-        return ExecEnd(pump.trailer.status, False, False, error, read[0], True, True, pump.trailer.read_back)
+    trailed = pump.trailer.status is not None
+    if trust_status and trailed and not swept:
+        return ExecEnd(pump.trailer.status, False, False, error, read[0], True, True, pump.trailer.read_back, True)
     code, started = _exit_status(api, exec_id)
-    return ExecEnd(code, swept, sweep_failed, error, read[0], started)
+    return ExecEnd(code, swept, sweep_failed, error, read[0], started, trailed=trailed)
 
 
 def _start(
     api: Any, container: str, argv: list[str], user: str, workdir: str, stdin: bool, env: Mapping[str, str]
-) -> tuple[str, Any]:
-    """Create and start the exec; return its id and the raw socket of its stream."""
+) -> tuple[str, Any, bytes]:
+    """
+    Create and start the exec; return its id, the raw socket of its stream, and the first bytes of
+    the stream when the HTTP client had already read them (see :func:`_read_ahead`).
+    """
     exec_id = api.exec_create(
         container, argv, stdin=stdin, stdout=True, stderr=True, tty=False, user=user, workdir=workdir, environment=env
     )["Id"]
     sock = api.exec_start(exec_id, socket=True)
     raw = getattr(sock, "_sock", sock)
+    early = _read_ahead(sock, raw)
     raw.settimeout(None)  # a silent command is not a broken connection
-    return exec_id, raw
+    return exec_id, raw, early
+
+
+def _read_ahead(sock: Any, raw: Any) -> bytes:
+    """
+    What the HTTP client read of the stream past the response's headers: it reads the socket in
+    blocks through a buffer, so when the program's first frames were already there as it parsed the
+    headers (a program that writes at once, on a busy worker), they are in that buffer, and reading
+    the socket the SDK hands out would miss them: the output, status trailer and all, would be lost.
+    Takes them from the buffer without waiting (the socket is non-blocking meanwhile); empty when
+    there were none, or when the stream is not read through such a buffer (an SSH connection).
+    """
+    response = getattr(sock, "_response", None)
+    reader = getattr(getattr(getattr(response, "raw", None), "_fp", None), "fp", None)
+    if reader is None or not hasattr(reader, "read1"):
+        return b""
+    raw.setblocking(False)
+    try:
+        return reader.read1(READ_CHUNK_BYTES) or b""
+    except OSError:  # nothing buffered and nothing arrived yet (BlockingIOError, SSLWantReadError)
+        return b""
+    finally:
+        raw.setblocking(True)
 
 
 class _Pump:
     """Reads an exec's frames into ``on_output`` until the stream ends, or until ``on_output`` raises."""
 
-    def __init__(self, raw: Any, on_output: Callable[[int, bytes], None], trailer: _Trailer) -> None:
+    def __init__(
+        self, raw: Any, on_output: Callable[[int, bytes], None], trailer: _Trailer, early: bytes = b""
+    ) -> None:
         self.raw, self.on_output, self.trailer = raw, on_output, trailer
+        self.early = early  # the stream's first bytes, read before the pump started (see _read_ahead)
         self.done = threading.Event()
         self.failure: BaseException | None = None
         self.callback_failed = False
 
-    def run(self) -> None:
-        from docker.utils.socket import next_frame_header
+    def _recv(self, size: int) -> bytes:
+        if self.early:
+            data, self.early = self.early[:size], self.early[size:]
+            return data
+        return self.raw.recv(size)
 
+    def _header(self) -> tuple[int, int] | None:
+        """The next frame's stream (1 stdout, 2 stderr) and length; None at the end of the stream."""
+        header = b""
+        while len(header) < FRAME_HEADER_BYTES:
+            piece = self._recv(FRAME_HEADER_BYTES - len(header))
+            if not piece:
+                return None
+            header += piece
+        return header[0], int.from_bytes(header[4:8], "big")
+
+    def run(self) -> None:
         try:
             while True:
-                stream, left = next_frame_header(self.raw)
-                if left < 0:
+                frame = self._header()
+                if frame is None:
                     break
+                stream, left = frame
                 while left > 0:
-                    data = self.raw.recv(min(left, READ_CHUNK_BYTES))
+                    data = self._recv(min(left, READ_CHUNK_BYTES))
                     if not data:
                         return
                     left -= len(data)

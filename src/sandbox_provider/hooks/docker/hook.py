@@ -11,6 +11,9 @@ Sandboxes as containers on a Docker Engine, driven through the ``docker`` SDK.
   the keeper. With ``run_as_root`` they run as root with a few capabilities and can stop it, so the
   lifetime is also enforced from outside: every create, and ``remove_expired()``, remove the
   provider's containers past their expiry label, and those created but never started.
+- **Deployments**: the ``[sandbox] deployment`` option's name is a label (``airflow_deployment``) of
+  every sandbox; the sweeps and listings consider only the containers with this deployment's name
+  (none when the option is empty), so deployments that share an Engine never remove each other's.
 - **Nothing outlives its command**, by construction: the runner (``guest/docker_run.sh``, under
   the keeper's copy of sh that the command user can run but not read, so not trace) ends with one
   ``kill(-1)`` as the command user. A command can only kill or stop it; then the keeper (root,
@@ -49,6 +52,7 @@ from sandbox_provider.hooks.egress.mixin import GatewayEgress
 from sandbox_provider.hooks.forms.docker import FORM
 from sandbox_provider.sandbox.attach import Attachable
 from sandbox_provider.sandbox.batch import ImportEntry
+from sandbox_provider.sandbox.deployment import deployment
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 from sandbox_provider.sandbox.files import ShellFiles, StreamFiles
 from sandbox_provider.sandbox.hook import Capabilities, OutputSink, ProvisionRequest, RunOutcome, SandboxHook
@@ -276,11 +280,12 @@ class DockerSandboxHook(GatewayEgress, DockerExec, StreamFiles, ShellFiles, Atta
     # -- lifecycle -------------------------------------------------------------------------------------
 
     def _provision(self, request: ProvisionRequest) -> str:
+        scope = deployment()  # a bad [sandbox] deployment fails here, before the Engine is asked anything
         settings = self._resolved()
         api = self._client().api
         self._sweep_engine(request.stamps)
         handle = request.name
-        kwargs = driver.container_config(api, settings, request)
+        kwargs = driver.container_config(api, settings, request, scope)
         if request.spec.has_allowlist:
             kwargs["environment"] = {**egress.proxy_env(), **kwargs["environment"]}
         if self.pull == "always":
@@ -519,34 +524,43 @@ class DockerSandboxHook(GatewayEgress, DockerExec, StreamFiles, ShellFiles, Atta
         map_index: int | None = None,
     ) -> list[DockerSandboxInfo]:
         """
-        List this provider's sandbox containers on the Engine, in any state, with their stamps.
+        List this provider's sandbox containers on the Engine of this deployment (those labelled with
+        the ``[sandbox] deployment`` option's name; with the option empty, those with no such label),
+        in any state, with their stamps.
 
         :param owner: only those stamped with this owner, e.g. ``dag_run_owner(context)``.
         :param dag_id: only those a task of this Dag made, or whose owner belongs to it (``"<dag_id>/..."``).
         :param run_id: only those a task of this Dag run made.
         :param task_id: only those this task made.
         :param map_index: only those this map index made (-1 for an unmapped task).
-        :raises SandboxTerminalError: if the Engine cannot be reached.
+        :raises SandboxTerminalError: if the Engine cannot be reached, or ``[sandbox] deployment`` is no
+            valid name.
         """
-        filters = driver.label_filters(owner=owner, run_id=run_id, task_id=task_id, map_index=map_index)
+        scope = deployment()
+        filters = driver.label_filters(scope, owner=owner, run_id=run_id, task_id=task_id, map_index=map_index)
         try:
             found = self._client().api.containers(all=True, filters=filters)
         except Exception as err:
             raise self._engine_error(err, "listing sandboxes") from err
-        infos = [driver.info_of(item) for item in found]
+        infos = [driver.info_of(item) for item in found if driver.in_deployment(item.get("Labels") or {}, scope)]
         return sorted((i for i in infos if dag_id is None or i.made_in(dag_id)), key=lambda i: i.handle)
 
     def find_sandboxes(self, stamps: Mapping[str, str]) -> dict[str, dict[str, str]]:
-        """This provider's containers whose labels hold every item of ``stamps``: ``{handle: labels}``."""
-        labels = [SANDBOX_LABEL, *(f"{key}={value}" for key, value in stamps.items())]
+        """
+        This deployment's containers (see :meth:`list_sandboxes`) whose labels hold every item of
+        ``stamps``: ``{handle: labels}``.
+        """
+        scope = deployment()
+        filters = driver.label_filters(scope)
+        filters["label"] += [f"{key}={value}" for key, value in stamps.items()]
         try:
-            found = self._client().api.containers(all=True, filters={"label": labels})
+            found = self._client().api.containers(all=True, filters=filters)
         except Exception as err:
             raise self._engine_error(err, "listing sandboxes") from err
         result = {}
         for item in found:
             tags = {str(k): str(v) for k, v in (item.get("Labels") or {}).items()}
-            if is_named_sandbox(tags.get(SANDBOX_LABEL, "")):
+            if is_named_sandbox(tags.get(SANDBOX_LABEL, "")) and driver.in_deployment(tags, scope):
                 result[tags[SANDBOX_LABEL]] = tags
         return result
 
@@ -564,8 +578,10 @@ class DockerSandboxHook(GatewayEgress, DockerExec, StreamFiles, ShellFiles, Atta
         """
         Remove this provider's containers that are past their expiry label (in any state, so also
         one whose keeper a root command stopped), created and never started for longer than
-        ``created_grace`` seconds, or stopped and not removed; return their handles. Every
-        ``create`` runs the same sweep over the whole Engine first.
+        ``created_grace`` seconds, or stopped and not removed; return their handles. Only this
+        deployment's containers are considered (see :meth:`list_sandboxes`): another Airflow deployment
+        on the same Engine, with another ``[sandbox] deployment``, sweeps its own. Every ``create`` runs
+        the same sweep over the Engine first.
 
         :param now: the Unix time to judge by; default the current time.
         """
@@ -586,8 +602,8 @@ class DockerSandboxHook(GatewayEgress, DockerExec, StreamFiles, ShellFiles, Atta
 
     def _sweep_engine(self, stamps: Mapping[str, str]) -> None:
         """
-        What every create does first: remove the Engine's leftovers (the session ends what earlier tries
-        of the task left, by their stamps). A failure to sweep never stops the create.
+        What every create does first: remove this deployment's leftovers on the Engine (the session ends
+        what earlier tries of the task left, by their stamps). A failure to sweep never stops the create.
         """
         try:
             self.remove_expired()

@@ -57,6 +57,7 @@ from sandbox_provider.hooks.egress.rules import (
 )
 from sandbox_provider.sandbox.errors import SandboxTerminalError
 from sandbox_provider.sandbox.network import NetworkReach
+from sandbox_provider.sandbox.processes import running
 from sandbox_provider.sandbox.spec import SandboxSpec, decode_network_policy, hostname_allowlist
 
 __all__ = [
@@ -356,15 +357,6 @@ def _gateway_pid(directory: str, match: str | None = None) -> int | None:
     return pid if _MODULE.encode() in cmdline and expected in cmdline else None
 
 
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` exists and has not finished exiting (a zombie has)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
-
-
 def stop_gateway(directory: str, *, match: str | None = None, remove: bool = False) -> None:
     """
     End the gateway of ``directory`` (its forwarders with it); remove the directory with ``remove``.
@@ -381,7 +373,7 @@ def stop_gateway(directory: str, *, match: str | None = None, remove: bool = Fal
             time.sleep(0.02)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
-        while _running(pid) and time.monotonic() < deadline + 5:  # gone, or only a zombie, on return
+        while running(pid) and time.monotonic() < deadline + 5:  # gone, or only a zombie, on return
             time.sleep(0.02)
     _relayed.pop(os.path.join(directory, LOG), None)
     if remove:

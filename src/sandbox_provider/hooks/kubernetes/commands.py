@@ -57,7 +57,7 @@ class KubernetesExec(batch.ExecTransfers):
         def _open_exec(self, handle: str, argv: list[str], *, stdin: bool) -> Any: ...
         def _resolved(self) -> dict[str, Any]: ...
         def _running_pod(self, handle: str) -> dict[str, Any]: ...
-        def _ended(self, handle: str) -> str | None: ...
+        def _ended(self, handle: str, *, settle: float = 0.0) -> str | None: ...
         def _forget(self, handle: str) -> None: ...
         def _deadline(self, handle: str, timeout: float) -> float: ...
         def check_handle(self, handle: Any) -> str: ...
@@ -94,8 +94,13 @@ class KubernetesExec(batch.ExecTransfers):
             ended = None
             if end.exit_code is None or end.exit_code > 127 or (end.overran and not end.swept):
                 # The runner did not end by itself: sweep, unless the sandbox itself ended (at its lifetime).
-                if (end.swept or not self._sweep(handle)) and end.exit_code is not None:
-                    ended = self._ended(handle)
+                # A sweep that cannot even start means the container is going: wait for the Pod to say so.
+                if end.swept:
+                    settle: float | None = 0.0
+                else:
+                    settle = None if self._sweep(handle) else driver.ENDING_SETTLE_SECONDS
+                if settle is not None:
+                    ended = self._ended(handle, settle=settle)
         return self._outcome(handle, end, elapsed, command_seconds or timeout, ended), end.stdin_read
 
     def _sweep(self, handle: str) -> bool:
@@ -114,7 +119,7 @@ class KubernetesExec(batch.ExecTransfers):
 
     def _outcome(self, handle: str, end: ExecEnd, elapsed: float, timeout: float, ended: str | None) -> RunOutcome:
         if end.exit_code is None:
-            ended = self._ended(handle)
+            ended = ended or self._ended(handle)
             if ended is None and not end.overran:
                 raise SandboxError(f"Sandbox {handle} could not run the program: {end.message}")
         if ended is not None:

@@ -271,6 +271,12 @@ def op_argv(workdir: str, program: str, *args: str) -> list[str]:
 #: The exec that ends every process of the pod's user but itself and the keeper.
 SWEEP_ARGV = ["sh", "-c", "kill -KILL -1 2>/dev/null; exit 0"]
 
+#: Seconds to wait for a Pod to read as ended once an exec in it could not be opened after a killed
+#: command: the kubelet kills the container at the Pod's deadline and reports the end after that.
+ENDING_SETTLE_SECONDS = 15.0
+#: Seconds between two reads of a Pod while waiting for it to read as ended.
+ENDING_POLL_SECONDS = 0.25
+
 
 # -- what the cluster reports ------------------------------------------------------------------------
 

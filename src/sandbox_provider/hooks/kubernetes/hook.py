@@ -484,21 +484,33 @@ class KubernetesSandboxHook(KubernetesExec, KubernetesStamps, StreamFiles, Shell
             self._pods[handle] = meta
         return meta
 
-    def _ended(self, handle: str) -> str | None:
-        """Why the sandbox can run nothing more (deleted, ended), or None while its Pod runs."""
+    def _ended(self, handle: str, *, settle: float = 0.0) -> str | None:
+        """
+        Why the sandbox can run nothing more (deleted, ended), or None while its Pod runs.
+
+        :param settle: seconds to keep reading while the Pod still reads as running (default 0: one
+            read). The kubelet kills the container at the Pod's deadline first and reports the Pod's
+            end after, so an exec can end in a SIGKILL before the Pod reads as ended.
+        """
         from kubernetes.client.exceptions import ApiException
 
         core, _ = self._api()
         namespace = self._resolved()["namespace"]
-        try:
-            pod = self._json(core.read_namespaced_pod(handle, namespace, _preload_content=False))
-        except ApiException as err:
-            return "its Pod was deleted" if err.status == 404 else None
-        except Exception:  # the API server does not answer: nothing can be told
-            return None
-        if driver.is_running(pod):
-            return None
-        return driver.pod_problem(pod) or "its Pod is being deleted"
+        until = time.monotonic() + settle
+        while True:
+            try:
+                pod = self._json(core.read_namespaced_pod(handle, namespace, _preload_content=False))
+            except ApiException as err:
+                if err.status == 404:
+                    return "its Pod was deleted"
+                pod = None
+            except Exception:  # the API server does not answer: nothing can be told yet
+                pod = None
+            if pod is not None and not driver.is_running(pod):
+                return driver.pod_problem(pod) or "its Pod is being deleted"
+            if time.monotonic() >= until:
+                return None
+            time.sleep(driver.ENDING_POLL_SECONDS)
 
     def _open_exec(self, handle: str, argv: list[str], *, stdin: bool) -> Any:
         """Open an exec in the sandbox's container (a client of its own: opening one swaps the client's request)."""

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from sandbox_provider.hooks.forms.local import DEFAULT_CGROUP_PARENT
+from sandbox_provider.hooks.local import spawner
 from sandbox_provider.sandbox.errors import SandboxTerminalError
+from sandbox_provider.sandbox.processes import running
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +98,16 @@ def _write(path: str, value: str) -> None:
 
 
 def _read_pids(path: str) -> list[int]:
+    """The pids listed in a cgroup's ``cgroup.procs`` or ``tasks``; none for a cgroup removed (before or while read)."""
     try:
         with open(path, encoding="ascii") as f:
             return [int(line) for line in f if line.strip()]
     except FileNotFoundError:
         return []
+    except OSError as err:
+        if err.errno == errno.ENODEV:  # v1: removed between the open and the read
+            return []
+        raise
 
 
 class Cgroups:
@@ -250,14 +257,30 @@ class Cgroups:
         deadline = time.monotonic() + _KILL_WAIT
         pause = 0.0002  # a command that just ended leaves within a millisecond or so
         while True:
-            pids = self.members(handle)
+            # Not while this worker's spawner thread sits in the cgroup (v1) to start a command there.
+            with spawner.placing:
+                pids = self._processes(handle)
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
             if not pids or time.monotonic() > deadline:
                 return
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
+
+    def _processes(self, handle: str) -> list[int]:
+        """
+        The sandbox's own processes: :meth:`members` less, on v1, a worker whose spawner thread is
+        visiting the cgroup to start a command there (``cgroup.procs`` lists a process when any thread
+        of it is in; a worker's main thread is not, where every sandbox process's is, or has exited).
+        """
+        found = self.members(handle)
+        if self.version != 1:
+            return found
+        threads: set[int] = set()
+        for path in self._dirs(handle):
+            threads.update(_read_pids(os.path.join(path, "tasks")))
+        return [pid for pid in found if pid in threads or (pid != os.getpid() and not running(pid))]
 
     def remove(self, handle: str) -> None:
         """Kill what runs in the sandbox's cgroup and remove it. Idempotent: a missing cgroup is fine."""

@@ -463,7 +463,11 @@ def start(
             placement=placement,
             stderr=subprocess.PIPE,
             pass_fds=[*passed, *held_fds],
-            start_new_session=True,
+            # A process group of its own (the worker kills the launch by it), in the worker's session: a new
+            # session would be a new scheduler autogroup, which the kernel places behind the others on a busy
+            # worker (some milliseconds per command). The sandbox's own process starts its own session
+            # (bwrap --new-session), with no controlling terminal.
+            process_group=0,
             cwd="/",
             **popen_kwargs,
         )

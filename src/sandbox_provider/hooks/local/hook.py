@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import logging
 import os
-import shutil
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
@@ -43,7 +42,7 @@ from sandbox_provider.hooks import egress
 from sandbox_provider.hooks.egress.mixin import GatewayEgress
 from sandbox_provider.hooks.forms.local import FORM
 from sandbox_provider.hooks.local import cgroups as cgroups_mod
-from sandbox_provider.hooks.local import driver, state
+from sandbox_provider.hooks.local import driver, removals, state
 from sandbox_provider.hooks.local import plan as plans
 from sandbox_provider.hooks.local.files import LocalFiles
 from sandbox_provider.hooks.local.ids import IdLeases, parse_uid_range, shared_leases
@@ -74,9 +73,8 @@ UID_TAG = state.UID_TAG
 _EXPORT_MIN_RATE = 1024 * 1024  # bytes per second a local export is allowed to be slow to
 _LEASE_SWEEP_EVERY = 60.0  # seconds between lease sweeps on the create path, per host
 _OOM = "the sandbox reached its memory limit (memory_bytes=%s)."
-#: The removals ``destroy(wait=False)`` left running in this worker process (see ``wait_for_removals``).
-_REMOVALS: set[threading.Thread] = set()
-_REMOVALS_LOCK = threading.Lock()
+#: State roots this worker process has shown a root worker's sandbox users can reach.
+_REACHABLE: set[str] = set()
 #: Default connections this worker process looked up and did not find (see ``LocalSandboxHook._connection``).
 _MISSING_DEFAULTS: set[str] = set()
 
@@ -157,9 +155,7 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         self.workdir = driver.check_local_workdir(workdir)
         self.bwrap_path = bwrap_path
         self._settings: dict[str, Any] | None = None
-        self._bwrap_found: str | None = None
         self._plans: dict[str, plans.Plan] = {}
-        self._reachable: str | None = None  # the state root a root worker's sandboxes were shown to reach
 
     # -- settings --------------------------------------------------------------------------------------
 
@@ -229,16 +225,13 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         return plans.system_binds(self._resolved()["image"], self.workdir, network)
 
     def _bwrap(self) -> str:
-        if self._bwrap_found:
-            return self._bwrap_found
-        found = shutil.which(self.bwrap_path)
+        found = plans.program(self.bwrap_path, os.environ.get("PATH"))  # found once per worker process
         if not found:
             raise SandboxTerminalError(
                 f"bubblewrap ({self.bwrap_path!r}) is not installed on this worker. Install the 'bubblewrap' "
                 "package (apt-get install bubblewrap, dnf install bubblewrap, apk add bubblewrap) or pass "
                 "bwrap_path= to LocalSandboxHook."
             )
-        self._bwrap_found = found
         return found
 
     @staticmethod
@@ -360,25 +353,26 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         limits = self._new_limits()
         self._leases()  # a bad uid_range is refused before anything is made
         root = self._root(create=True)
-        if self._drops_root and self._reachable != root:
+        if self._drops_root and root not in _REACHABLE:
             state.check_reachable(root)
-            self._reachable = root
+            _REACHABLE.add(root)
         report = self._sweep(full=False)
         if report.failed:
             log.warning("Could not remove %d sandbox(es) under %s: %s", len(report.failed), root, report.failed)
         handle = request.name
         try:
             with state.building(root, handle, 0o700) as staging:
-                self._fill(staging, handle, request, limits)
+                record = self._fill(staging, handle, request, limits)
         except OSError as err:
             raise SandboxTerminalError(f"Could not provision a sandbox under {root}: {err}") from err
+        self._plans[handle] = self._new_plan(os.path.join(root, handle), record)  # not read back from disk
         if request.spec.has_allowlist:
             self._start_gateway(handle, request)
         log.info("Sandbox %s lives in %s on this worker", handle, os.path.join(root, handle))
         return handle
 
-    def _fill(self, staging: str, handle: str, request: ProvisionRequest, limits: Mapping[str, Any]) -> None:
-        """Make the sandbox's user, box, cgroup and state in its ``.creating-`` directory."""
+    def _fill(self, staging: str, handle: str, request: ProvisionRequest, limits: Mapping[str, Any]) -> dict[str, Any]:
+        """Make the sandbox's user, box, cgroup and state in its ``.creating-`` directory; return its record."""
         owner = os.path.join(os.path.dirname(staging), handle)
         leases = self._leases()
         uid = leases.lease(owner) if leases is not None else os.getuid()
@@ -404,6 +398,7 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
                 "created_at": time.time(),
             }
             state.write_record(staging, record, fresh=True)
+            return record
         except BaseException:
             if cgroups is not None:
                 cgroups.remove(handle)
@@ -423,10 +418,11 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
     def _end(self, handle: str) -> None:
         """
         ``destroy(wait=False)``: the sandbox is renamed away (gone for every caller) and everything of
-        it that runs is killed (its cgroup removed, its gateway stopped) before this returns; its
-        files go and its user id is freed in a thread of this worker (one that the worker process
-        waits for as it exits). A worker killed before that leaves its ``.destroyed-`` directory,
-        unlocked, to the next sweep (any create on the host's state root, or ``gc_expired``).
+        it that runs is killed (its cgroup emptied, its gateway stopped) before this returns; its
+        files, its emptied cgroup and its user id go in this worker's removal thread
+        (``removals.py``, which the worker process waits for as it exits). A worker killed before
+        that leaves its ``.destroyed-`` directory, unlocked, to the next sweep (any create on the
+        host's state root, or ``gc_expired``).
         """
         plan = self._plans.pop(handle, None)
         root = self._root()
@@ -437,29 +433,27 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         with state.claim(trash, wait=True) as got:
             if not got:
                 return
-            self._stop(handle, trash)
-        reaper = threading.Thread(
-            target=self._reap, args=(handle, trash, known), name=f"sandbox-removal-{handle}", daemon=False
-        )
-        with _REMOVALS_LOCK:
-            _REMOVALS.add(reaper)
-        reaper.start()
+            self._stop(handle, trash, remove_cgroup=False)
+        removals.submit(functools.partial(self._reap, handle, trash, known))
 
     def _reap(self, handle: str, trash: str, uid: int | None) -> None:
         try:
             self._teardown(handle, trash, wait=True, uid=uid)
         except Exception:  # the next sweep removes what is left
             log.warning("Could not remove the files of sandbox %s; the next sweep will", handle, exc_info=True)
-        finally:
-            with _REMOVALS_LOCK:
-                _REMOVALS.discard(threading.current_thread())
 
-    def _stop(self, handle: str, path: str) -> None:
-        """Kill everything of the sandbox under ``path`` that runs: its cgroup, its gateway, its marked commands."""
+    def _stop(self, handle: str, path: str, *, remove_cgroup: bool = True) -> None:
+        """
+        Kill everything of the sandbox under ``path`` that runs: its cgroup (then removed, unless
+        ``remove_cgroup`` is False: emptied only), its gateway, its marked commands.
+        """
         root = os.path.dirname(path)
         cgroups = self._cgroups()
         if cgroups is not None:
-            cgroups.remove(handle)
+            if remove_cgroup:
+                cgroups.remove(handle)
+            else:
+                cgroups.kill(handle)
         egress.stop_gateway(egress.local_gateway_dir(path), match=os.path.join(root, handle) + "/")
         driver.kill_marked(path, match=os.path.join(root, handle) + "/")
 
@@ -556,15 +550,19 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         path = self._dir(handle)
         plan = self._plans.get(handle)
         if plan is None or plan.path != path:
-            plan = self._plans[handle] = plans.build(
-                path,
-                bwrap=self._bwrap(),
-                image=self._resolved()["image"],
-                workdir=self.workdir,
-                shm_default=self.settings["shm_bytes"].default,
-                tools={name: self._tool(name) for name in driver.TOOLS},
-            )
+            plan = self._plans[handle] = self._new_plan(path, state.read_record(path))
         return plan
+
+    def _new_plan(self, path: str, record: Mapping[str, Any]) -> plans.Plan:
+        return plans.build(
+            path,
+            record,
+            bwrap=self._bwrap(),
+            image=self._resolved()["image"],
+            workdir=self.workdir,
+            shm_default=self.settings["shm_bytes"].default,
+            tools={name: self._tool(name) for name in driver.TOOLS},
+        )
 
     def _exec(
         self,
@@ -653,17 +651,7 @@ def wait_for_removals(timeout: float = 60.0) -> bool:
     ``destroy(wait=False)`` left running in this worker process; return whether none is left.
     For a caller that counts what is left on the host (a test, a benchmark).
     """
-    deadline = time.monotonic() + timeout
-    while True:
-        with _REMOVALS_LOCK:
-            running = list(_REMOVALS)
-        if not running:
-            return True
-        for thread in running:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        if time.monotonic() >= deadline:
-            with _REMOVALS_LOCK:
-                return not _REMOVALS
+    return removals.wait(timeout)
 
 
 #: The guide's name for this backend.

@@ -35,9 +35,17 @@ class Plan:
     prefix: list[str] = dataclasses.field(default_factory=list)
 
 
-def build(path: str, *, bwrap: str, image: str | None, workdir: str, shm_default: int, tools: dict[str, str]) -> Plan:
-    """The plan of the sandbox in directory ``path``, from its crash-safe record."""
-    record = state.read_record(path)
+def build(
+    path: str,
+    record: Mapping[str, Any],
+    *,
+    bwrap: str,
+    image: str | None,
+    workdir: str,
+    shm_default: int,
+    tools: dict[str, str],
+) -> Plan:
+    """The plan of the sandbox in directory ``path`` from its crash-safe ``record`` (``state.read_record``'s shape)."""
     tags, limits = record["stamps"], record["limits"]
     network = '"block_network":false' in tags.get(NETWORK_TAG, "")
     gateway = (
@@ -131,10 +139,23 @@ def system_binds(image: str | None, workdir: str, network: bool) -> list[str]:
     return driver.system_binds(image, workdir, network)
 
 
-@functools.cache
+#: Programs found: (name, search path) -> where; a program not found is looked for again next time.
+_FOUND: dict[tuple[str, str | None], str] = {}
+
+
+def program(name: str, path: str | None) -> str | None:
+    """Where program ``name`` is on the search path ``path`` (None: the default), found once per worker process."""
+    found = _FOUND.get((name, path))
+    if found is None:
+        found = shutil.which(name, path=path)
+        if found is not None:
+            _FOUND[(name, path)] = found
+    return found
+
+
 def which(name: str) -> str | None:
     """Where a tool bubblewrap launches is, on bwrap's own PATH; looked up once per worker process."""
-    return shutil.which(name, path=driver.BWRAP_ENV["PATH"])
+    return program(name, driver.BWRAP_ENV["PATH"])
 
 
 def checked(value: Any, check: Callable[[Any], Any]) -> Any:

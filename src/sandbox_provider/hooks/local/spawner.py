@@ -36,7 +36,7 @@ from sandbox_provider.hooks.local.seccomp import syscall_number
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Placement", "join_new_session_keyring", "spawn"]
+__all__ = ["Placement", "join_new_session_keyring", "placing", "spawn"]
 
 #: Called in the spawning thread: the (file to move into, file to move back to) pairs of a command.
 Placement = Callable[[], Sequence[tuple[str, str]]]
@@ -46,6 +46,9 @@ _lock = threading.Lock()
 _requests: queue.SimpleQueue = queue.SimpleQueue()
 _thread: threading.Thread | None = None
 _warned = False
+#: Held while the spawner thread sits in a sandbox's cgroup (v1): a kill of that cgroup in this process
+#: takes it too, so it never finds the worker itself among the sandbox's processes.
+placing = threading.Lock()
 
 
 @functools.lru_cache(maxsize=1)
@@ -85,17 +88,18 @@ def _start(argv: list[str], placement: Placement | None, kwargs: dict[str, Any])
     if placement is None:
         return subprocess.Popen(argv, **kwargs)
     moved: list[str] = []
-    try:
-        for enter, back in placement():
-            _move_self(enter)
-            moved.append(back)
-        return subprocess.Popen(argv, **kwargs)
-    finally:
-        for back in reversed(moved):
-            try:
-                _move_self(back)
-            except OSError:
-                log.warning("The sandbox spawner could not move back to its cgroup %s", back, exc_info=True)
+    with placing:
+        try:
+            for enter, back in placement():
+                _move_self(enter)
+                moved.append(back)
+            return subprocess.Popen(argv, **kwargs)
+        finally:
+            for back in reversed(moved):
+                try:
+                    _move_self(back)
+                except OSError:
+                    log.warning("The sandbox spawner could not move back to its cgroup %s", back, exc_info=True)
 
 
 def _serve() -> None:
@@ -119,8 +123,8 @@ def _kill_late(future: Future) -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _lock, _requests, _thread
-    _lock, _requests, _thread = threading.Lock(), queue.SimpleQueue(), None
+    global _lock, _requests, _thread, placing
+    _lock, _requests, _thread, placing = threading.Lock(), queue.SimpleQueue(), None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
