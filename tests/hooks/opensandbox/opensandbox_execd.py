@@ -618,8 +618,8 @@ class Handler(BaseHTTPRequestHandler):
             while self.body.read():  # what a route left unread, so the connection can carry on
                 pass
         except RequestError as err:
-            self._respond_json(err.status, {"code": err.code, "message": err.message})
-            self.close_connection = True
+            # The request's body may be left unread: the connection ends with this answer, and says so.
+            self._respond_json(err.status, {"code": err.code, "message": err.message}, close=True)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
 
@@ -628,8 +628,7 @@ class Handler(BaseHTTPRequestHandler):
         # further to this daemon.
         why = "this daemon was started without an access token" if not self.server.token else "it is missing or wrong"
         message = f"the {TOKEN_HEADERS[0]} header must hold this sandbox's access token: {why}"
-        self._respond_json(401, {"error": message})
-        self.close_connection = True
+        self._respond_json(401, {"error": message}, close=True)
 
     def _strip_proxy(self, path: str) -> str:
         match = _PROXY_PREFIX.match(path)
@@ -641,11 +640,18 @@ class Handler(BaseHTTPRequestHandler):
             )
         return match.group(2) or "/"
 
-    def _respond_json(self, status: int, payload) -> None:
+    def _respond_json(self, status: int, payload, *, close: bool = False) -> None:
+        """
+        Send ``payload`` as JSON with ``status``; with ``close``, end the connection after it with a
+        ``Connection: close`` header, so that a client never sends its next request on a connection
+        this daemon is closing (it then reads "disconnected without a response" instead).
+        """
         data = json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if close:
+            self.send_header("Connection", "close")  # also sets close_connection
         self.end_headers()
         self.wfile.write(data)
 

@@ -24,6 +24,7 @@ import time
 import uuid
 from datetime import timedelta
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -668,6 +669,34 @@ def test_reading_a_missing_file_is_404_file_not_found(files, daemon, work):
     with pytest.raises(SandboxApiException) as err:
         files.get_file_info([str(work / "missing")])
     assert err.value.status_code == 404
+
+
+def test_an_error_answer_that_ends_the_connection_says_so(daemon, work):
+    """
+    After an error the daemon closes the connection (the request's body may be unread). Its answer
+    says ``Connection: close``, so a client with a pool of kept-alive connections never sends its
+    next request on this one: under load it used to, and read "Server disconnected without sending
+    a response" (a load run's failure of the 404 test above).
+    """
+    missing = quote(str(work / "missing"))
+    request = (
+        f"GET /files/download?path={missing} HTTP/1.1\r\nHost: x\r\nX-EXECD-ACCESS-TOKEN: {TOKEN}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", daemon["port"]), timeout=10) as conn:
+        conn.sendall(request)
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+        # The connection really ends after the error (what a client reusing it would meet) ...
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 404") and b"FILE_NOT_FOUND" in body, reply
+        # ... and the answer says so.
+        assert b"\r\nconnection: close" in head.lower(), head
+    # A client that keeps connections alive opens a new one for the next request, which is answered.
+    with httpx.Client(base_url=daemon["url"], headers=AUTH) as client:
+        for _ in range(3):
+            assert client.get("/files/download", params={"path": str(work / "missing")}).status_code == 404
+            assert client.get("/ping").status_code == 200
 
 
 def test_file_info_and_listing(files, daemon, work):
