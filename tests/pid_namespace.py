@@ -62,6 +62,26 @@ class Namespace:
                 found[int(entry)] = (state, cmdline)
         return found
 
+    def describe_end(self, tmp_path) -> str:
+        """What is known of a namespace whose program never reported: to tell who ended it, and how."""
+        status = self.proc.poll()
+        bwrap_err = b""
+        if status is not None:
+            bwrap_err = self.proc.communicate(timeout=5)[1]
+        files = {}
+        for name in ("out", "err"):
+            try:
+                files[name] = (tmp_path / name).read_text(errors="replace")[-500:]
+            except OSError as err:
+                files[name] = repr(err)
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = f.read().split()[0]
+        return (
+            f"at {uptime} s of uptime, bubblewrap (pid {self.proc.pid}; the namespace's PID 1 is {self.pid}) has "
+            f"status {status} (negative: killed by that signal), its stderr {bwrap_err[-500:]!r}; "
+            f"members {self.members()}; the program's output {files}"
+        )
+
     def marked(self) -> list[str]:
         return sorted(cmd for _, cmd in self.members().values() if MARK in cmd)
 
@@ -105,7 +125,7 @@ def run_in_namespace(tmp_path, program: str, *args: str) -> tuple[Namespace, tup
     (tmp_path / "program.sh").write_text(program)
     ns = Namespace(tmp_path, _RUNNER_HOST, str(tmp_path / "program.sh"), *args, pid1=True)
     rc = tmp_path / "rc"
-    assert until(lambda: rc.exists() and rc.read_text().strip(), timeout=30), ns.members()
+    assert until(lambda: rc.exists() and rc.read_text().strip(), timeout=30), ns.describe_end(tmp_path)
     return ns, (int(rc.read_text()), (tmp_path / "out").read_text(), (tmp_path / "err").read_text())
 
 
