@@ -397,11 +397,13 @@ def sweep_gateways(root: str) -> list[str]:
 
 def _settled(directory: str, grace: float = START_TIMEOUT * 2) -> bool:
     """
-    Whether no gateway can be starting in ``directory`` now: one started there (and has ended), or
-    it is older than a gateway takes to start.
+    Whether no gateway can be starting in ``directory`` now: one started there and wrote its pid
+    (it has ended since), or the directory is older than a gateway takes to start.
     """
-    if os.path.exists(os.path.join(directory, READY)):
-        return True
+    with contextlib.suppress(OSError):
+        with open(os.path.join(directory, READY), encoding="utf-8") as f:
+            if f.read().strip().isdigit():
+                return True
     try:
         return time.time() - os.stat(directory).st_mtime > grace
     except OSError:

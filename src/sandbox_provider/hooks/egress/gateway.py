@@ -197,8 +197,12 @@ def serve(config: Mapping[str, Any]) -> int:
             for argv in config.get("forward", []):
                 children.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
                 _wait_listening(children[-1], int(config["forward_port"]))
-            with open(config["ready"], "w") as ready:
+            # Whole or not there: a sweep on this worker that read an empty pid file would take the
+            # gateway for one that had ended, and remove its directory (its socket with it).
+            partial = f"{config['ready']}.partial"
+            with open(partial, "w") as ready:
                 ready.write(str(os.getpid()))
+            os.replace(partial, config["ready"])
             watch = config.get("watch", {})
             while not stopping and time.time() < float(config["expires_at"]) and _still_there(watch):
                 ended = _ended(children, proxy.acceptors.acceptors if proxy.acceptors else [])
