@@ -106,6 +106,34 @@ class Namespace:
             self.proc.communicate(timeout=10)
 
 
+def alive(pid: int) -> bool:
+    """True while ``pid`` is a process that is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def carries_mark(pid: int, mark: str) -> bool:
+    """
+    True while ``pid`` is a live process whose environment holds ``mark`` (``NAME=value``, one whole
+    entry): a process a test started with that mark, or a descendant that kept it. A pid alone never
+    says so: once its process ends, another soon has the number on a busy machine.
+    """
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+    except OSError:
+        return False
+    return mark.encode() in environ.split(b"\0") and alive(pid)
+
+
+def marked_processes(mark: str) -> list[int]:
+    """The pids of every live process that :func:`carries_mark` ``mark``."""
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and carries_mark(int(entry), mark)]
+
+
 def until(predicate, timeout: float = 10.0):
     end = time.monotonic() + timeout
     while time.monotonic() < end:

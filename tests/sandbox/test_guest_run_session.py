@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from pid_namespace import alive, carries_mark
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxError, SandboxTerminalError
 
@@ -40,15 +41,6 @@ def run(
     )
 
 
-def alive(pid: int) -> bool:
-    """True while ``pid`` is a process that is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def wait_for_file(path: Path, deadline: float = HANG) -> str:
     end = time.monotonic() + deadline
     while time.monotonic() < end:
@@ -60,15 +52,6 @@ def wait_for_file(path: Path, deadline: float = HANG) -> str:
 
 def pids_in(path: Path) -> list[int]:
     return [int(word) for word in path.read_text().split()]
-
-
-def started_here(pid: int, mark: str) -> bool:
-    """True while ``pid`` is a live process whose environment holds ``mark`` (one this test started)."""
-    try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return False
-    return mark.encode() in environ.split(b"\0") and alive(pid)
 
 
 @pytest.fixture(autouse=True)
@@ -84,7 +67,7 @@ def _reap_leftovers(tmp_path, monkeypatch):
     yield
     for pidfile in tmp_path.glob("*.pids"):
         for pid in pids_in(pidfile):
-            if started_here(pid, mark):
+            if carries_mark(pid, mark):
                 os.kill(pid, signal.SIGKILL)
 
 

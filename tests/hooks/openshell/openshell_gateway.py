@@ -43,6 +43,8 @@ import grpc
 from google.protobuf import timestamp_pb2
 from openshell._proto import datamodel_pb2, openshell_pb2, openshell_pb2_grpc, sandbox_pb2
 
+from pid_namespace import marked_processes
+
 #: The longest sandbox name the gateway accepts.
 NAME_LIMIT = 19
 _NAME = re.compile(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?")
@@ -157,19 +159,7 @@ class FakeGateway:
 
     def processes_of(self, sandbox: FakeSandbox) -> list[int]:
         """Pids of live processes the double started for ``sandbox`` (and their descendants)."""
-        needle = f"{_OWNER_VAR}={sandbox.id}".encode()
-        found = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                if needle in (entry / "environ").read_bytes().split(b"\0"):
-                    state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                    if state != "Z":
-                        found.append(int(entry.name))
-            except OSError:
-                continue
-        return found
+        return marked_processes(f"{_OWNER_VAR}={sandbox.id}")
 
     # -- internals used by the servicer ------------------------------------------------------------
 
