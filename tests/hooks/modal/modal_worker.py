@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import signal
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -433,9 +434,35 @@ async def start(record: SandboxRecord, command: ExecRecord) -> None:
         if deadline is not None:
             deadline.cancel()
         command.exit_code = 128 - code if code < 0 else code
+        if command.exit_code == 128 + signal.SIGKILL and not command.timed_out and record.result is None:
+            _note_outside_kill(record, command)
         command.done.set()
 
     asyncio.ensure_future(reap())
+
+
+def _note_outside_kill(record: SandboxRecord, command: ExecRecord) -> None:
+    """
+    Say on stderr that a command of a live sandbox ended by a SIGKILL the stand-in did not send: whether
+    its namespace's holder still lives tells a namespace that ended whole from a command killed alone.
+    """
+    holder = record.holder
+    state = "never started"
+    if holder is not None:
+        try:
+            with open(f"/proc/{holder.pid}/stat", "rb") as f:
+                letter = f.read().rsplit(b")", 1)[1].split()[0].decode()
+        except OSError:
+            letter = "gone"
+        state = f"pid {holder.pid}, exit status {holder.returncode}, process state {letter}"
+    with open("/proc/uptime", encoding="ascii") as f:
+        uptime = f.read().split()[0]
+    print(
+        f"modal stand-in: at {uptime} s of uptime, command {command.argv[:2]} (pid {command.process.pid}) in "
+        f"sandbox {record.sandbox_id} ended by SIGKILL, not sent by the stand-in (the command itself, or a process outside); the holder: {state}; "
+        f"its stderr: {bytes(command.output[2][-300:])!r}",
+        file=sys.stderr,
+    )
 
 
 async def write_stdin(command: ExecRecord, offset: int, data: bytes, *, eof: bool) -> None:
