@@ -75,8 +75,13 @@ def log_policy(arguments: Mapping[str, Any], hook: Any, backend: Any) -> LogPoli
         from airflow.sdk import BaseHook
         from airflow.sdk.exceptions import AirflowNotFoundException
 
+        lookup = getattr(hook, "connection_or_none", None)
         try:
-            extra = BaseHook.get_connection(conn_id).extra_dejson
+            if lookup is not None and not isinstance(backend, str):
+                conn = lookup()  # the hook's own: a default connection found missing is not asked for again
+            else:
+                conn = BaseHook.get_connection(conn_id)
+            extra = conn.extra_dejson if conn is not None else {}
         except AirflowNotFoundException:
             extra = {}
     wanted = {name: extra[name] for name in TASK_SETTINGS.names if name in extra}

@@ -12,6 +12,7 @@ left, stream the output into bounded tails, and build the result. A backend impl
 from __future__ import annotations
 
 import logging
+import os
 import re
 import time
 from abc import abstractmethod
@@ -282,6 +283,10 @@ def env_bytes(env: Mapping[str, str] | None) -> int:
     return sum(len(k.encode()) + len(v.encode()) + 2 for k, v in (env or {}).items())
 
 
+#: Default connections this worker process looked up and did not find (see :meth:`SandboxHook.connection_or_none`).
+_MISSING_DEFAULTS: set[str] = set()
+
+
 class SandboxHook(BaseHook):
     """
     A backend that provisions sandboxes and runs commands in them; one subclass per backend.
@@ -370,6 +375,33 @@ class SandboxHook(BaseHook):
         self._destroyed_because: dict[str, str] = {}
         #: When the running connection test must have answered (monotonic seconds); None outside a test.
         self._test_ends: float | None = None
+
+    def connection_or_none(self, conn_id: str | None = None) -> Any:
+        """
+        The connection ``conn_id`` (default: the one this hook names, else its default connection), or
+        None when it is the default connection and does not exist.
+
+        That a default connection does not exist is remembered for the rest of the worker process (one
+        task: each ask is a round trip to the supervisor, and a task asks for its hook's settings and
+        for its log policy); one defined in the environment (``AIRFLOW_CONN_<NAME>``) is always looked up.
+
+        :raises AirflowNotFoundException: when a connection named explicitly does not exist.
+        """
+        from airflow.exceptions import AirflowNotFoundException
+
+        named = conn_id or getattr(self, self.conn_name_attr, None)
+        if named:
+            return self.get_connection(named)
+        name = self.default_conn_name
+        if name in _MISSING_DEFAULTS and f"AIRFLOW_CONN_{name.upper()}" not in os.environ:
+            return None
+        try:
+            conn = self.get_connection(name)
+        except AirflowNotFoundException:
+            _MISSING_DEFAULTS.add(name)
+            return None
+        _MISSING_DEFAULTS.discard(name)
+        return conn
 
     # -- what a backend implements -------------------------------------------------------------------
 

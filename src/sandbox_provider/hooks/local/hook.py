@@ -75,8 +75,6 @@ _LEASE_SWEEP_EVERY = 60.0  # seconds between lease sweeps on the create path, pe
 _OOM = "the sandbox reached its memory limit (memory_bytes=%s)."
 #: State roots this worker process has shown a root worker's sandbox users can reach.
 _REACHABLE: set[str] = set()
-#: Default connections this worker process looked up and did not find (see ``LocalSandboxHook._connection``).
-_MISSING_DEFAULTS: set[str] = set()
 
 
 class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attachable, SandboxHook):
@@ -192,27 +190,10 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         return settings
 
     def _connection(self) -> Any:
-        """
-        The connection named by ``sandbox_conn_id``, or ``sandbox_local_default`` if it exists, or None.
-
-        That the default connection does not exist is remembered for the rest of the worker process
-        (one task: asking costs a round trip to the supervisor for every sandbox); one defined in the
-        environment (``AIRFLOW_CONN_SANDBOX_LOCAL_DEFAULT``) is always looked up.
-        """
-        from airflow.exceptions import AirflowNotFoundException
-
-        if self.sandbox_conn_id:
-            return self.get_connection(self.sandbox_conn_id)
-        name = self.default_conn_name
-        if name in _MISSING_DEFAULTS and f"AIRFLOW_CONN_{name.upper()}" not in os.environ:
-            return None
-        try:
-            conn = self.get_connection(name)
-        except AirflowNotFoundException:
-            _MISSING_DEFAULTS.add(name)
-            return None
-        _MISSING_DEFAULTS.discard(name)
-        log.info("Using the %s connection for the local backend's settings", self.default_conn_name)
+        """The connection named by ``sandbox_conn_id``, or ``sandbox_local_default`` if it exists, or None."""
+        conn = self.connection_or_none()
+        if conn is not None and not self.sandbox_conn_id:
+            log.info("Using the %s connection for the local backend's settings", self.default_conn_name)
         return conn
 
     @property
