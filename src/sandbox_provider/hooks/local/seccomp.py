@@ -47,9 +47,13 @@ import errno
 import functools
 import tempfile
 
+from sandbox_provider.hooks.local import seccomp_cache as _cache
 from sandbox_provider.sandbox.errors import SandboxTerminalError
 
 __all__ = ["REFUSED", "filter_program", "refused_names", "syscall_number"]
+
+#: System calls whose numbers the worker itself needs (the spawner's keyring call), kept with the filter.
+_NUMBERS = ("keyctl",)
 
 #: The system calls refused outright, by group (see the module docstring).
 REFUSED: dict[str, tuple[str, ...]] = {
@@ -194,8 +198,8 @@ def _as_tree(sc, flt) -> None:
         pass
 
 
-@functools.lru_cache(maxsize=1)
-def _built() -> tuple[bytes, tuple[str, ...]]:
+def _build() -> tuple[bytes, tuple[str, ...], dict[str, int]]:
+    """Build the filter with libseccomp: (BPF program, what it refuses, system call numbers the worker uses)."""
     sc = _binding()
     flt = sc.SyscallFilter(sc.ALLOW)
     _as_tree(sc, flt)
@@ -219,15 +223,27 @@ def _built() -> tuple[bytes, tuple[str, ...]]:
         names.append("clone3 (ENOSYS)")
     _add_personality_rules(sc, flt, refused)
     names.append("personality (weakening flags)")
+    numbers = {name: int(sc.resolve_syscall(sc.Arch.NATIVE, name)) for name in _NUMBERS}
     with tempfile.TemporaryFile() as f:
         flt.export_bpf(f)
         f.seek(0)
-        return f.read(), tuple(names)
+        return f.read(), tuple(names), numbers
+
+
+@functools.lru_cache(maxsize=1)
+def _built() -> tuple[bytes, tuple[str, ...], dict[str, int]]:
+    cached = _cache.load()
+    if cached is not None:
+        return cached
+    built = _build()
+    _cache.store(*built)
+    return built
 
 
 def filter_program() -> bytes:
     """
-    The filter as a classic BPF program (what ``bwrap --seccomp FD`` reads), built once per process.
+    The filter as a classic BPF program (what ``bwrap --seccomp FD`` reads), built once per worker
+    user and libseccomp (see ``_cache``), and read from there once per process.
 
     :raises SandboxTerminalError: when no libseccomp binding or library is installed.
     """
@@ -236,6 +252,8 @@ def filter_program() -> bytes:
 
 def syscall_number(name: str) -> int:
     """The number of system call ``name`` on this machine's own architecture (libseccomp knows them all)."""
+    if name in _NUMBERS:
+        return _built()[2][name]
     sc = _binding()
     return int(sc.resolve_syscall(sc.Arch.NATIVE, name))
 
