@@ -22,6 +22,12 @@ Issue 14's goal for this figure: no errors, no leftovers, and the ratio within 1
 reference tree's. Before the rounds, one sandbox is left standing on purpose and counted, so a
 count that cannot see leftovers says so (``BLIND``).
 
+``--processes P`` (local) splits each burst over ``P`` worker processes of ``count / P`` threads
+each, on both sides, as Airflow runs tasks: each in a process of its own. In one process, the
+hook's Python work of 200 sandboxes at once queues for one interpreter lock, which a worker's
+task processes do not share; the raw side's few lines of Python barely meet it. The errors of
+every process are added up, the leftovers counted once for the run.
+
 ``--against SRC`` compares two trees of the provider directly instead: this tree's bursts
 against those of the tree whose ``src`` directory is given, each tree in a worker process of its
 own (``floors.TreeWorker``), the rounds interleaved; goal: median ratio at most 1.10. Each
@@ -38,6 +44,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -200,6 +208,104 @@ class DockerSide(_Bursts):
         return text
 
 
+class LocalProcessesSide:
+    """
+    The local backend's two sides, each burst split over ``processes`` worker processes of
+    ``count / processes`` threads (``--processes``), with the errors of all and the run's leftovers.
+    """
+
+    name, raw_name = "local", "raw bwrap echo"
+
+    def __init__(self, count: int, processes: int) -> None:
+        if count % processes:
+            raise ValueError(f"--count {count} must be a multiple of --processes {processes}")
+        self.count, self.root = count, floors.local_root()
+        self.parent = f"airflow-sandbox-{floors.run_tag()}"
+        hook = floors.local_hook(self.root, self.parent)
+        handle = hook.create()
+        self.notes = [counter_control("local", "one hook sandbox", floors.local_leftovers(self.root, self.parent))]
+        hook.destroy(handle)
+        argv = [sys.executable, __file__, "--child", self.root, self.parent, str(count // processes)]
+        self.children = [
+            subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(processes)
+        ]
+        for child in self.children:
+            self._answer(child)  # "ready": warmed up
+
+    @staticmethod
+    def _answer(child: subprocess.Popen) -> str:
+        assert child.stdout is not None
+        for line in child.stdout:  # Airflow's configuration may print a line first
+            if line.startswith("bench-child "):
+                return line.split(" ", 1)[1].strip()
+        raise RuntimeError(f"a worker process ended ({child.wait()})")
+
+    def _burst(self, side: str) -> None:
+        for child in self.children:
+            assert child.stdin is not None
+            child.stdin.write(side + "\n")
+            child.stdin.flush()
+        for child in self.children:
+            self._answer(child)
+
+    def ours(self) -> None:
+        self._burst("ours")
+
+    def raw(self) -> None:
+        self._burst("raw")
+
+    def close(self) -> str:
+        totals = (Errors(), Errors())
+        for child in self.children:
+            self._ask_report(child)
+            for errors, (runs, counts) in zip(totals, json.loads(self._answer(child)), strict=True):
+                errors.runs += runs
+                errors.counts.update(counts)
+            assert child.stdin is not None
+            child.stdin.close()
+            child.wait()
+        self.errors = totals
+        try:
+            return report(self, f"local hook, {len(self.children)} processes", "raw bwrap")
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    @staticmethod
+    def _ask_report(child: subprocess.Popen) -> None:
+        assert child.stdin is not None
+        child.stdin.write("report\n")
+        child.stdin.flush()
+
+    def leftovers(self) -> dict[str, int]:
+        return floors.local_leftovers(self.root, self.parent)
+
+
+def child(root: str, parent: str, threads: int) -> int:
+    """A worker process of ``--processes``: a burst of ``threads`` of the side each line of stdin names."""
+    logging.disable(logging.WARNING)
+    errors = (Errors(), Errors())
+    raw = floors.raw_bwrap(root)
+    one = {
+        "ours": hook_life(lambda: floors.local_hook(root, parent), errors[0]),
+        "raw": raw_life(lambda: raw(["echo", EXPECTED]), errors[1]),
+    }
+    for side in one.values():  # warm-up, not counted
+        side()
+    for each in errors:
+        each.counts.clear()
+    floors.join_local_removals()
+    print("bench-child ready", flush=True)
+    for line in sys.stdin:
+        side = line.strip()
+        if side == "report":
+            print("bench-child", json.dumps([[e.runs, dict(e.counts)] for e in errors]), flush=True)
+            continue
+        burst(threads, one[side], errors[0 if side == "ours" else 1])
+        print("bench-child done", flush=True)
+        floors.join_local_removals()  # untimed: the parent waits for every process's answer first
+    return 0
+
+
 SIDES = {"local": LocalSide, "docker": DockerSide}
 #: Rounds per backend when --rounds is not given: a local burst takes well under a second, a Docker one ~10 s.
 DEFAULT_ROUNDS = {"local": 15, "docker": 5}
@@ -230,7 +336,10 @@ def against_raw(args) -> None:
     """Each backend against its raw tool at the same concurrency, in this process."""
     for backend in args.backend:
         try:
-            side = SIDES[backend](args.count)
+            if args.processes and backend == "local":
+                side = LocalProcessesSide(args.count, args.processes)
+            else:
+                side = SIDES[backend](args.count)
         except Exception as err:  # one backend that cannot start must not cost the other's row
             print(f"{backend}: FAILED to set up: {type(err).__name__}: {err}", flush=True)
             continue
@@ -240,7 +349,8 @@ def against_raw(args) -> None:
                     f"{backend}: {args.count} at once",
                     lambda side=side, backend=backend: (
                         compare(
-                            f"{backend}: {args.count} hook lifecycles at once",
+                            f"{backend}: {args.count} hook lifecycles at once"
+                            + (f" in {args.processes} processes" if args.processes and backend == "local" else ""),
                             side.ours,
                             f"{args.count} x {side.raw_name}",
                             side.raw,
@@ -296,8 +406,19 @@ def main() -> int:
         metavar="SRC",
         help="compare this tree's bursts with those of the provider tree whose src directory this is, instead of the raw tools",
     )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        metavar="P",
+        help="local: split each burst (both sides) over P worker processes, as tasks run (--count a multiple of P)",
+    )
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=3, metavar=("ROOT", "PARENT", "THREADS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        return child(args.child[0], args.child[1], int(args.child[2]))
+    if args.processes is not None and (args.processes < 1 or args.count % args.processes):
+        parser.error("--processes must be at least 1 and divide --count")
     if args.rounds is not None and args.rounds < 5:
         parser.error("--rounds must be at least 5")
     if args.count < 1:
