@@ -1,6 +1,6 @@
 """
-Guest programs run on the host in a PID namespace of their own (bubblewrap), with the host's files
-read-only, for the programs that end processes with ``kill(-1)``: what that reaches is only what the
+Guest programs run on the host in a PID namespace of their own (bubblewrap), with the host's system
+read-only (:func:`host_view`), for the programs that end processes with ``kill(-1)``: what that reaches is only what the
 test started there. Processes are observed from the host, by their PID namespace, so nothing inside can
 fake what the test sees. The ``in_namespace`` fixture is registered for every test (``conftest.py``).
 """
@@ -21,13 +21,36 @@ BWRAP = shutil.which("bwrap")
 MARK = f"299.0{os.getpid()}"
 
 
+#: What of the host a namespace sees, read-only: the system's programs, libraries and settings.
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+
+
+def host_view() -> list[str]:
+    """
+    bubblewrap options for :data:`SYSTEM` (a link as a link), and an empty ``/tmp``.
+
+    Not the whole root (``--ro-bind / /``): bubblewrap then makes each mount under it read-only in
+    turn, and one that goes away meanwhile (a container's overlay as the Engine removes it, a
+    sandbox's tmpfs) fails the namespace before its program runs, as CI saw: "Can't bind mount
+    /oldroot/ on /newroot/: Unable to apply mount flags: remount .../overlay2/.../merged: Invalid
+    argument".
+    """
+    options = []
+    for path in SYSTEM:
+        if os.path.islink(path):
+            options += ["--symlink", os.readlink(path), path]
+        elif os.path.exists(path):
+            options += ["--ro-bind", path, path]
+    return [*options, "--tmpfs", "/tmp"]
+
+
 class Namespace:
     """One command in a PID namespace of its own; ``pid`` is its host PID."""
 
     def __init__(self, tmp_path, script: str, *args: str, pid1: bool) -> None:
         (tmp_path / "prog.sh").write_text(script)
         read_fd, write_fd = os.pipe()
-        argv = [BWRAP or "bwrap", "--ro-bind", "/", "/", "--bind", str(tmp_path), str(tmp_path)]
+        argv = [BWRAP or "bwrap", *host_view(), "--bind", str(tmp_path), str(tmp_path)]
         argv += ["--proc", "/proc", "--dev", "/dev", "--unshare-pid", "--die-with-parent", "--chdir", str(tmp_path)]
         if os.geteuid() != 0:
             argv.append("--unshare-user")

@@ -2,7 +2,7 @@
 The Docker backend's guest programs, run on the host under plain ``sh``.
 
 Both end processes with ``kill(-1)``, so every run here happens in a PID namespace of its own
-(bubblewrap), with the host's files read-only: what ``kill(-1)`` reaches is only what the test
+(bubblewrap), with the host's system read-only: what ``kill(-1)`` reaches is only what the test
 started there. Processes are observed from the host, by their PID namespace, so nothing inside can
 fake what the test sees.
 """
