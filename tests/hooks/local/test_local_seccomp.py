@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 
+from pid_namespace import host_view
 from sandbox_provider.hooks.local import driver as _local_driver
 from sandbox_provider.hooks.local import seccomp as _local_seccomp
 
@@ -91,8 +92,17 @@ def _numbers():
 
 
 def _run(filtered: bool) -> dict[str, list[int]]:
-    argv = ["bwrap", "--unshare-user", "--unshare-pid", "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
-    argv += ["--tmpfs", "/tmp", "--die-with-parent"]
+    argv = [
+        "bwrap",
+        "--unshare-user",
+        "--unshare-pid",
+        *host_view(),
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
+        "--die-with-parent",
+    ]
     fds: tuple[int, ...] = ()
     if filtered:
         fd = _local_driver.memfd("filter", _local_seccomp.filter_program())
