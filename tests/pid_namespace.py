@@ -44,6 +44,11 @@ def host_view() -> list[str]:
     return [*options, "--tmpfs", "/tmp"]
 
 
+def plain_bwrap() -> list[str]:
+    """bubblewrap with new user and PID namespaces, :func:`host_view`, ``/dev`` and ``/proc``: a control's launch."""
+    return ["bwrap", "--unshare-user", "--unshare-pid", *host_view(), "--dev", "/dev", "--proc", "/proc"]
+
+
 class Namespace:
     """One command in a PID namespace of its own; ``pid`` is its host PID."""
 

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from pid_namespace import host_view
+from pid_namespace import plain_bwrap
 from sandbox_provider.hooks.local import cgroups as _local_cgroups
 from sandbox_provider.hooks.local import driver as _local_driver
 from sandbox_provider.hooks.local import seccomp as _local_seccomp
@@ -22,17 +22,7 @@ pytestmark = pytest.mark.skipif(
 )
 TOOLS = {name: shutil.which(name) or f"/usr/bin/{name}" for name in _local_driver.TOOLS}
 SANDBOX_UID = 1_900_099_998
-BWRAP = [
-    "bwrap",
-    "--unshare-user",
-    "--unshare-pid",
-    *host_view(),
-    "--dev",
-    "/dev",
-    "--proc",
-    "/proc",
-    "--die-with-parent",
-]
+BWRAP = [*plain_bwrap(), "--die-with-parent"]
 
 
 def _uid():

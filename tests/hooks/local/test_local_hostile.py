@@ -21,7 +21,7 @@ import uuid
 import pytest
 
 from conftest import requires_bwrap
-from pid_namespace import host_view
+from pid_namespace import plain_bwrap
 from sandbox_provider.hooks.local import LocalSandboxHook
 from sandbox_provider.hooks.local import state as _local_state
 from sandbox_provider.hooks.local.ids import IdLeases
@@ -32,7 +32,7 @@ pytestmark = [
     requires_bwrap,
     pytest.mark.skipif(os.geteuid() != 0, reason="per-sandbox users, cgroups and mounts need a root worker"),
 ]
-BWRAP_PLAIN = ["bwrap", "--unshare-user", "--unshare-pid", *host_view(), "--dev", "/dev", "--proc", "/proc"]
+BWRAP_PLAIN = plain_bwrap()
 
 
 def run(hook, handle, command, timeout=60):

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from pid_namespace import host_view
+from pid_namespace import plain_bwrap
 from sandbox_provider.hooks.local import driver as _local_driver
 from sandbox_provider.hooks.local import seccomp as _local_seccomp
 
@@ -92,17 +92,7 @@ def _numbers():
 
 
 def _run(filtered: bool) -> dict[str, list[int]]:
-    argv = [
-        "bwrap",
-        "--unshare-user",
-        "--unshare-pid",
-        *host_view(),
-        "--dev",
-        "/dev",
-        "--proc",
-        "/proc",
-        "--die-with-parent",
-    ]
+    argv = [*plain_bwrap(), "--die-with-parent"]
     fds: tuple[int, ...] = ()
     if filtered:
         fd = _local_driver.memfd("filter", _local_seccomp.filter_program())
