@@ -80,13 +80,12 @@ class Namespace:
             try:
                 if os.readlink(f"/proc/{entry}/ns/pid") != self.ns:
                     continue
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    state = f.read().rsplit(b")", 1)[1].split()[0].decode()
+                state = process_state(int(entry))
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
                     cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if state != "Z":
+            if state not in (None, "Z"):
                 found[int(entry)] = (state, cmdline)
         return found
 
@@ -102,10 +101,8 @@ class Namespace:
                 files[name] = (tmp_path / name).read_text(errors="replace")[-500:]
             except OSError as err:
                 files[name] = repr(err)
-        with open("/proc/uptime", encoding="ascii") as f:
-            uptime = f.read().split()[0]
         return (
-            f"at {uptime} s of uptime, bubblewrap (pid {self.proc.pid}; the namespace's PID 1 is {self.pid}) has "
+            f"at {uptime()} s of uptime, bubblewrap (pid {self.proc.pid}; the namespace's PID 1 is {self.pid}) has "
             f"status {status} (negative: killed by that signal), its stderr {bwrap_err[-500:]!r}; "
             f"members {self.members()}; the program's output {files}"
         )
@@ -118,8 +115,7 @@ class Namespace:
         for entry in os.listdir("/proc"):
             try:
                 if entry.isdigit() and os.readlink(f"/proc/{entry}/ns/pid") == self.ns:
-                    with open(f"/proc/{entry}/stat", "rb") as f:
-                        count += f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+                    count += process_state(int(entry)) == "Z"
             except OSError:
                 continue
         return count
@@ -134,13 +130,24 @@ class Namespace:
             self.proc.communicate(timeout=10)
 
 
-def alive(pid: int) -> bool:
-    """True while ``pid`` is a process that is not a zombie."""
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` (``R``, ``S``, ``Z`` ...), or None when there is none."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
     except OSError:
-        return False
+        return None
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` is a process that is not a zombie."""
+    return process_state(pid) not in (None, "Z")
+
+
+def uptime() -> str:
+    """The seconds since boot, as ``/proc/uptime`` gives them (a kernel trace stamps events the same way)."""
+    with open("/proc/uptime", encoding="ascii") as f:
+        return f.read().split()[0]
 
 
 def carries_mark(pid: int, mark: str) -> bool:

@@ -41,6 +41,8 @@ from modal_proto import task_command_router_pb2 as router_pb2
 from modal_proto.task_command_router_grpc import TaskCommandRouterBase
 from modal_wire import Servicer, refuse_the_rest, shaped
 
+from pid_namespace import process_state, uptime
+
 #: Where the SDK's filesystem API expects its helper inside a sandbox.
 FS_TOOLS_PATH = "/__modal/.bin/modal-sandbox-fs-tools"
 BASE_ENV = {
@@ -449,16 +451,10 @@ def _note_outside_kill(record: SandboxRecord, command: ExecRecord) -> None:
     holder = record.holder
     state = "never started"
     if holder is not None:
-        try:
-            with open(f"/proc/{holder.pid}/stat", "rb") as f:
-                letter = f.read().rsplit(b")", 1)[1].split()[0].decode()
-        except OSError:
-            letter = "gone"
+        letter = process_state(holder.pid) or "gone"
         state = f"pid {holder.pid}, exit status {holder.returncode}, process state {letter}"
-    with open("/proc/uptime", encoding="ascii") as f:
-        uptime = f.read().split()[0]
     print(
-        f"modal stand-in: at {uptime} s of uptime, command {command.argv[:2]} (pid {command.process.pid}) in "
+        f"modal stand-in: at {uptime()} s of uptime, command {command.argv[:2]} (pid {command.process.pid}) in "
         f"sandbox {record.sandbox_id} ended by SIGKILL, not sent by the stand-in (the command itself, or a process outside); the holder: {state}; "
         f"its stderr: {bytes(command.output[2][-300:])!r}",
         file=sys.stderr,
