@@ -376,10 +376,10 @@ class SandboxHook(BaseHook):
         #: When the running connection test must have answered (monotonic seconds); None outside a test.
         self._test_ends: float | None = None
 
-    def connection_or_none(self, conn_id: str | None = None) -> Any:
+    def connection_or_none(self) -> Any:
         """
-        The connection ``conn_id`` (default: the one this hook names, else its default connection), or
-        None when it is the default connection and does not exist.
+        The connection this hook names, else its default connection, or None when it is the default
+        connection and does not exist.
 
         That a default connection does not exist is remembered for the rest of the worker process (one
         task: each ask is a round trip to the supervisor, and a task asks for its hook's settings and
@@ -389,7 +389,7 @@ class SandboxHook(BaseHook):
         """
         from airflow.exceptions import AirflowNotFoundException
 
-        named = conn_id or getattr(self, self.conn_name_attr, None)
+        named = getattr(self, self.conn_name_attr, None)
         if named:
             return self.get_connection(named)
         name = self.default_conn_name
