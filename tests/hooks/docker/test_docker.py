@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from sandbox_provider.sandbox.batch import ImportEntry
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
 from sandbox_provider.sandbox.spec import (
     EXPIRES_AT_TAG,
@@ -596,6 +597,85 @@ def test_a_root_command_that_breaks_the_keepers_directory_leaves_a_sandbox_that_
             sh(creator, handle, "echo next")
     finally:
         creator.destroy(handle)
+
+
+def _closed_root_keeper(real):
+    """A keeper as on btrfs, where the container's root directory starts as 0700: closed for 1.5 s, then the real one."""
+
+    def entrypoint(lifetime, user):
+        return ["sh", "-c", 'chmod 700 / && sleep 1.5 && exec "$@"', "closed-root", *real(lifetime, user)]
+
+    return entrypoint
+
+
+@pytest.mark.parametrize("first", ["command", "staged command", "detached command", "file"])
+def test_a_first_program_started_before_the_keeper_opened_the_root_starts_again(
+    docker_conn, docker_client, monkeypatch, first
+):
+    """
+    Seen on a btrfs Engine: the first command started before the keeper had opened the root
+    directory, and the Engine found no sh for the command user. It starts again once the keeper is
+    ready, and nothing of the refused try shows: not its message, not a byte of standard input.
+    """
+    monkeypatch.setattr(driver, "keeper_entrypoint", _closed_root_keeper(driver.keeper_entrypoint))
+    hook = DockerSandboxHook(docker_conn, pull="never")
+    handle = hook.create()
+    try:
+        # The positive control: right after the start the command user finds nothing to run.
+        api = docker_client.api
+        probe = api.exec_create(handle, ["sh", "-c", "echo reached"], user="65432:65432")
+        output = api.exec_start(probe["Id"])
+        assert b"reached" not in output and b"executable file not found" in output, output
+        if first == "command":
+            assert sh(hook, handle, "echo ok; ls -ld / | cut -c1-10").stdout == "ok\ndrwxr-xr-x\n"
+        elif first == "staged command":
+            entry = ImportEntry("in.txt", 7, lambda: io.BytesIO(b"staged\n"))
+            result = hook.run_command(handle, "cat in.txt", timeout=30, max_output_bytes=1024, stage=[entry])
+            assert result.stdout == "staged\n", result
+        elif first == "detached command":
+            job = hook.start_detached(handle, "echo detached", timeout=30, max_output_bytes=1024)
+            deadline = time.monotonic() + 30
+            while not (state := hook.poll(handle, job)).ended and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert (state.exit_code, state.stdout) == (0, b"detached\n"), state
+        else:
+            hook.write_file(handle, "f.txt", b"file")
+            assert hook.read_file(handle, "f.txt", max_bytes=100) == b"file"
+    finally:
+        hook.destroy(handle)
+
+
+def test_the_start_gate_passes_on_only_what_the_program_wrote():
+    """The cases the Engine cannot be made to show at will: the streams' order, the mark in pieces."""
+    from sandbox_provider.hooks.docker.commands import _StartGate
+
+    def through(*pieces, ended=True):
+        seen = []
+        gate = _StartGate(lambda stream, data: seen.append((stream, data)))
+        source = gate.hold(io.BytesIO(b"input"))
+        for stream, data in pieces:
+            gate(stream, data)
+        if ended:
+            gate.close()
+            gate.release()
+        return seen, gate.started, source.read(5) if ended else None
+
+    mark = driver.STARTED_MARK
+    # The program's standard error ahead of the mark (the Engine copies the streams apart).
+    assert through((2, b"err"), (1, mark + b"out")) == ([(2, b"err"), (1, b"out")], True, b"input")
+    # The mark in pieces, then the program's output.
+    assert through((1, mark[:3]), (1, mark[3:]), (1, b"x")) == ([(1, b"x")], True, b"input")
+    # The Engine's refusal: passed on at the end, and the input never read.
+    refusal = b'OCI runtime exec failed: exec: "sh": executable file not found in $PATH\r\n'
+    assert through((1, refusal)) == ([(1, refusal)], False, b"")
+    # The wait's note that the keeper never came, and a stream that ended inside what looked like the mark.
+    assert through((2, b"sandbox-keeper-missing\n"), (1, mark[:4])) == (
+        [(2, b"sandbox-keeper-missing\n"), (1, mark[:4])],
+        False,
+        b"",
+    )
+    # Nothing passed on while it is undecided.
+    assert through((2, b"early"), (1, mark[:2]), ended=False)[0] == []
 
 
 def test_the_owner_label_outranks_the_stamp_file(docker_conn):

@@ -14,7 +14,9 @@ sandbox's command user, one at a time per sandbox, and the sandbox is swept afte
   the command user cannot and follow symbolic links by its own rules, and a command could plant a link
   that turns a later transfer against the keeper's own files.
 - The first program in a new sandbox waits inside for the keeper (``guest/docker_wait.sh``), so
-  creating a sandbox costs no request to look for it.
+  creating a sandbox costs no request to look for it. Where the command user cannot pass the root
+  directory until the keeper opens it (btrfs), the Engine may find no program to start: that first
+  try is dropped and the program started again once the keeper is ready (``_StartGate``).
 - A staged command can read back the file its caller reads next (``run_command(read_back=...)``,
   what ``@task.sandbox`` does with its return value): once the command succeeded and nothing of it
   is left, its runner reads the file as the command user and sends it on its status trailer, which
@@ -25,6 +27,7 @@ sandbox's command user, one at a time per sandbox, and the sandbox is swept afte
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING, Any, cast
@@ -67,6 +70,81 @@ def _check_whole(handle: str, end: docker_exec.ExecEnd) -> None:
             "but its output stream from the Docker Engine ended before the program's last line. What it printed "
             "may be incomplete, so none of it is used; run it again (the sandbox is unharmed)."
         )
+
+
+class _StartGate:
+    """
+    The output of a new sandbox's first program, which ``docker_wait.sh`` starts: held until the
+    wait's mark (:data:`~sandbox_provider.hooks.docker.driver.STARTED_MARK`, first on standard
+    output) shows that the program runs, then passed on without the mark. What comes before it is
+    not the program's: the Engine's refusal to start it, or the wait's note that the keeper never
+    got ready. Standard input (:meth:`hold`) is held as well, so a program that never started read
+    none of it. Call :meth:`close` once the exec ended, then :meth:`release` (the held output) unless
+    the exec is tried again.
+    """
+
+    #: Output held without a mark before it is passed on anyway (the wait writes none: a safeguard).
+    MAX_HELD_BYTES = 64 * 1024
+
+    def __init__(self, on_output: Callable[[int, bytes], None]) -> None:
+        self._on_output = on_output
+        self._held: list[tuple[int, bytes]] = []
+        self._head = b""
+        self._decided = threading.Event()  # the mark came, or cannot come any more
+        self.started = False  # the mark came: the program runs
+        self.opened = False  # output goes straight on
+
+    def __call__(self, stream: int, data: bytes) -> None:
+        if self.opened:
+            self._on_output(stream, data)
+            return
+        if self._decided.is_set() or stream != 1:
+            # The Engine copies the two streams apart: the program's standard error may come before
+            # the mark, and is held until it comes.
+            self._held.append((stream, data))
+            if sum(len(piece) for _, piece in self._held) > self.MAX_HELD_BYTES:
+                self.release()
+            return
+        self._head += data
+        mark = driver.STARTED_MARK
+        if self._head.startswith(mark):
+            held, self._held, rest, self._head = self._held, [], self._head[len(mark) :], b""
+            self.started = self.opened = True
+            self._decided.set()
+            for stream_held, piece in held:
+                self._on_output(stream_held, piece)
+            if rest:
+                self._on_output(1, rest)
+        elif not mark.startswith(self._head):
+            self._held.append((1, self._head))
+            self._head = b""
+            self._decided.set()
+
+    def hold(self, source: IO[bytes]) -> IO[bytes]:
+        """``source``, read only once the program runs; empty if it never does."""
+        gate = self
+
+        class Held:
+            def read(self, n: int = -1) -> bytes:
+                gate._decided.wait()
+                return source.read(n) if gate.started else b""
+
+        return cast(IO[bytes], Held())
+
+    def close(self) -> None:
+        """The exec ended: a reader of the held input waits no more."""
+        self._decided.set()
+
+    def release(self) -> None:
+        """Pass on what was held (nothing once the mark came), and everything after it."""
+        held, self._held = self._held, []
+        if self._head:  # a part of the mark, and then the stream ended
+            held.append((1, self._head))
+            self._head = b""
+        self._decided.set()
+        self.opened = True
+        for stream, data in held:
+            self._on_output(stream, data)
 
 
 class DockerExec(batch.ExecTransfers):
@@ -147,23 +225,45 @@ class DockerExec(batch.ExecTransfers):
     def _launch(
         self, handle: str, argv: list[str], *, timeout: float, on_output: Any, sweep: Any, **options: Any
     ) -> docker_exec.ExecEnd:
-        """One exec of ``argv`` as the command user, in the workdir, after the keeper of a new sandbox is up."""
+        """
+        One exec of ``argv`` as the command user, in the workdir. The first program in a new sandbox
+        waits in it for the keeper (``wait_argv``); one the Engine could not start as the command
+        user is started once more when the keeper is ready, with nothing of the first try passed on.
+        """
         labels = self._labels(handle)
         fresh = driver.is_fresh(handle)
-        try:
-            return docker_exec.run_exec(
-                self._client().api,
-                handle,
-                driver.wait_argv(argv) if fresh else argv,
-                user=labels[driver.USER_LABEL],
-                workdir=labels.get(WORKDIR_TAG) or self.workdir,
-                deadline=timeout,
-                on_output=on_output,
-                sweep=sweep,
-                **options,
-            )
-        except _engine_errors() as err:  # a task timeout or Ctrl-C raised meanwhile goes on as it is
-            raise self._exec_error(err, handle, fresh) from err
+        user = labels[driver.USER_LABEL]
+        api = self._client().api
+        for again in (False, True):
+            gate = _StartGate(on_output) if fresh else None
+            stdin = options.get("stdin")
+            try:
+                end = docker_exec.run_exec(
+                    api,
+                    handle,
+                    driver.wait_argv(argv) if fresh else argv,
+                    user=user,
+                    workdir=labels.get(WORKDIR_TAG) or self.workdir,
+                    deadline=timeout,
+                    on_output=gate or on_output,
+                    sweep=sweep,
+                    **{**options, "stdin": gate.hold(stdin) if gate and stdin is not None else stdin},
+                )
+            except _engine_errors() as err:  # a task timeout or Ctrl-C raised meanwhile goes on as it is
+                raise self._exec_error(err, handle, fresh) from err
+            finally:
+                if gate is not None:
+                    gate.close()
+            # Some storage drivers (btrfs) give the container's root directory mode 0700 until the
+            # keeper opens it: a program started as the command user before then finds no sh at all.
+            if gate is None or again or end.started or gate.started or user == "0:0" or end.stdin_read:
+                break
+            if not driver.wait_for_keeper(api, handle):
+                break
+            log.debug("Starting the first program in sandbox %s again, now that its keeper is ready", handle)
+        if gate is not None:
+            gate.release()
+        return end
 
     def _settle(self, handle: str, end: docker_exec.ExecEnd, read_back: str | None) -> bool:
         """After an exec, under the sandbox's lock: mark the sandbox swept, or sweep it; True when it ended."""

@@ -56,6 +56,8 @@ SWEEP_TIMEOUT = 10.0
 SWEEP_RESIGNAL = 1.0
 #: Seconds a new container's keeper may take to start.
 KEEPER_START_TIMEOUT = 30.0
+#: What ``docker_wait.sh`` writes on standard output when the keeper is ready, before the program starts.
+STARTED_MARK = b"sandbox-started\n"
 #: The status and stderr mark of ``docker_wait.sh`` when the keeper of a new sandbox never got ready.
 KEEPER_MISSING_STATUS, KEEPER_MISSING_MARK = 125, b"sandbox-keeper-missing"
 #: Seconds a container may stay created and never started before a sweep removes it.
@@ -139,7 +141,10 @@ def op_argv(program: str, name: str, *args: str) -> list[str]:
 
 
 def wait_argv(argv: list[str]) -> list[str]:
-    """``argv`` started once the keeper of a new sandbox is ready (its witness file is there)."""
+    """
+    ``argv`` started once the keeper of a new sandbox is ready (its witness file is there), after
+    :data:`STARTED_MARK` on standard output.
+    """
     ticks = str(int(KEEPER_START_TIMEOUT * 100))
     return ["sh", "-c", _code("docker_wait.sh"), "sandbox-wait", ticks, WITNESS_FILE, *argv]
 

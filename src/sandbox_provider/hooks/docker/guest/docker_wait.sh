@@ -1,5 +1,6 @@
 # Starts the first program in a new Docker sandbox once its keeper is ready: waits up to $1 ticks
-# of 10 ms for the keeper's witness file $2, then runs the rest of the arguments in place of itself.
+# of 10 ms for the keeper's witness file $2, then writes "sandbox-started" on standard output (the
+# hook takes that line off) and runs the rest of the arguments in place of itself.
 # If the keeper never gets there, prints "sandbox-keeper-missing" on stderr and exits 125.
 i=0
 until [ -e "$2" ]; do
@@ -8,4 +9,5 @@ until [ -e "$2" ]; do
   sleep 0.01
 done
 shift 2
+echo sandbox-started
 exec "$@"
