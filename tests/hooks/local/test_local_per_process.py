@@ -133,3 +133,37 @@ def test_a_destroy_where_no_thread_can_start_removes_the_sandbox_itself(tmp_path
     hook.destroy(handle, wait=False)
     assert os.listdir(hook.state_root) == []  # removed before destroy returned
     assert removals.wait(0)  # and nothing counted as left to wait for
+
+
+def test_a_removal_still_queued_is_not_taken_on_by_the_next_create(tmp_path):
+    """
+    The removal thread keeps the ``.destroyed-`` directory locked from the destroy on, so a create's
+    sweep (here or in another worker) leaves it alone and does not pay for it; a leftover that no
+    live worker holds is still swept.
+    """
+    from sandbox_provider.hooks.local import removals
+
+    hook = LocalSandboxHook(state_root=str(tmp_path / "state"))
+    root = hook.state_root
+    left, queued = hook.create(), hook.create()
+    # The positive control: a killed worker's leftover, renamed away with no lock held, is swept.
+    assert state.mark_destroyed(root, left) is not None
+    go = threading.Event()
+    removals.submit(lambda: go.wait(60))  # the removal thread is busy: the next removal waits in line
+    try:
+        LocalSandboxHook(state_root=root).destroy(queued, wait=False)
+        assert sorted(os.listdir(root)) == sorted([state.DESTROYED + left, state.DESTROYED + queued])
+        other = LocalSandboxHook(state_root=root).create()  # its create sweeps the state root
+        assert sorted(os.listdir(root)) == sorted([other, state.DESTROYED + queued])
+        script = "import sys; from sandbox_provider.hooks.local import LocalSandboxHook as H; print(H(state_root=sys.argv[1]).gc_expired())"
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        swept = subprocess.run(
+            [sys.executable, "-c", script, root], capture_output=True, text=True, timeout=120, env=env
+        )
+        assert swept.returncode == 0 and queued not in swept.stdout, swept.stdout + swept.stderr
+        assert state.DESTROYED + queued in os.listdir(root)
+    finally:
+        go.set()
+    assert wait_for_removals(30)
+    assert os.listdir(root) == [other]
+    hook.destroy(other)

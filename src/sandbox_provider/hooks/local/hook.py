@@ -411,17 +411,25 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         if trash is None:
             return
         known = plan.uid if plan is not None and plan.path == os.path.join(root, handle) else None
-        with state.claim(trash, wait=True) as got:
-            if not got:
-                return
-            self._stop(handle, trash, remove_cgroup=False)
-        removals.submit(functools.partial(self._reap, handle, trash, known))
-
-    def _reap(self, handle: str, trash: str, uid: int | None) -> None:
+        # The lock stays held until the removal thread is done, so that no sweep (a create here or
+        # in another worker) takes the removal on meanwhile; a worker that dies lets it go.
+        held = state.lock(trash, wait=True)
+        if held is None:
+            return
         try:
-            self._teardown(handle, trash, wait=True, uid=uid)
+            self._stop(handle, trash, remove_cgroup=False)
+        except BaseException:
+            os.close(held)
+            raise
+        removals.submit(functools.partial(self._reap, handle, trash, known, held))
+
+    def _reap(self, handle: str, trash: str, uid: int | None, held: int) -> None:
+        try:
+            self._remove(handle, trash, uid)
         except Exception:  # the next sweep removes what is left
             log.warning("Could not remove the files of sandbox %s; the next sweep will", handle, exc_info=True)
+        finally:
+            os.close(held)
 
     def _stop(self, handle: str, path: str, *, remove_cgroup: bool = True) -> None:
         """
@@ -444,17 +452,19 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         its cgroup, its files (the workspace last) and release its user id (``uid``, when this hook
         has it from the record already). False if another live worker holds it (``wait=False``), or it is gone.
         """
-        root = os.path.dirname(path)
         with state.claim(path, wait=wait) as got:
-            if not got:
-                return False
-            uid = uid if uid is not None else state.recorded_uid(path)
-            self._stop(handle, path)
-            state.remove_sandbox_dir(path)
-            leases = self._leases()
-            if leases is not None and uid is not None:
-                leases.release(uid, os.path.join(root, handle))
-        return True
+            if got:
+                self._remove(handle, path, uid)
+        return got
+
+    def _remove(self, handle: str, path: str, uid: int | None) -> None:
+        """:meth:`_teardown`'s work, under the directory's lock."""
+        uid = uid if uid is not None else state.recorded_uid(path)
+        self._stop(handle, path)
+        state.remove_sandbox_dir(path)
+        leases = self._leases()
+        if leases is not None and uid is not None:
+            leases.release(uid, os.path.join(os.path.dirname(path), handle))
 
     def gc_expired(self) -> SweepReport:
         """

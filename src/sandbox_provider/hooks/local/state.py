@@ -219,28 +219,39 @@ def mark_destroyed(root: str, handle: str) -> str | None:
     return trash
 
 
-@contextlib.contextmanager
-def claim(path: str, *, wait: bool) -> Iterator[bool]:
+def lock(path: str, *, wait: bool) -> int | None:
     """
-    Hold the lock of a ``.creating-`` or ``.destroyed-`` directory; yield whether it was had.
-
-    With ``wait=False`` a lock someone holds yields False at once (a live worker is on it).
-    A directory that is gone yields False too.
+    Take the lock of a ``.creating-`` or ``.destroyed-`` directory: its descriptor, which holds the
+    lock until the caller closes it (or the process ends). None when the directory is gone, or
+    with ``wait=False`` when someone holds the lock (a live worker is on it).
     """
     try:
         fd = os.open(path, DIR_FLAGS)
     except (FileNotFoundError, NotADirectoryError):
-        yield False
-        return
+        return None
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
-        yield os.path.isdir(path)  # the holder before us may have removed it
-    finally:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
         os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    if not os.path.isdir(path):  # the holder before us removed it
+        os.close(fd)
+        return None
+    return fd
+
+
+@contextlib.contextmanager
+def claim(path: str, *, wait: bool) -> Iterator[bool]:
+    """Hold the lock of a ``.creating-`` or ``.destroyed-`` directory (see :func:`lock`); yield whether it was had."""
+    fd = lock(path, wait=wait)
+    try:
+        yield fd is not None
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def classify(root: str) -> Iterator[tuple[str, str, str]]:
