@@ -25,6 +25,8 @@ ldconfig -p 2>/dev/null | grep 'libseccomp\.so\.2' >/dev/null || missing+=(libse
 # socat: the egress gateway's forwarder (allow_egress_to on the local and Docker backends); curl and the
 # system Python's pip: the egress tests use them as clients inside the sandboxes.
 command -v socat >/dev/null 2>&1 || missing+=(socat)
+# strace: a Modal stand-in test holds a process at its exit, to show a launch race of bubblewrap.
+command -v strace >/dev/null 2>&1 || missing+=(strace)
 command -v curl >/dev/null 2>&1 || missing+=(curl)
 /usr/bin/python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
 if [ "${#missing[@]}" -gt 0 ]; then

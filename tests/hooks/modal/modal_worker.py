@@ -282,9 +282,17 @@ async def _release(record: SandboxRecord) -> None:
 
 
 def bwrap_argv(record: SandboxRecord, command: ExecRecord) -> list[str]:
+    """
+    The command's bubblewrap, which joins the holder's namespaces: it ends with them (the holder is
+    the one bound to the stand-in's life), so it has no ``--die-with-parent`` of its own. With
+    ``--pidns`` that option kills the command outright when it loses a race: bubblewrap forks into the
+    namespace through an intermediate process that exits at once, and the program, having set its
+    parent-death signal to SIGKILL just before its exec, gets it when that process exits after all
+    (a machine under load). That was the SIGKILL (exit 137) "not sent by the stand-in".
+    """
     user, pid = record.namespaces or (-1, -1)
     argv = [
-        "bwrap", "--die-with-parent", "--userns", str(user), "--pidns", str(pid), "--uid", "0", "--gid", "0",
+        "bwrap", "--userns", str(user), "--pidns", str(pid), "--uid", "0", "--gid", "0",
         "--unshare-net", "--unshare-ipc", "--unshare-uts", "--hostname", "modal", *_root_argv(record),
         "--chdir", command.workdir, "--clearenv",
     ]  # fmt: skip
