@@ -376,22 +376,33 @@ class SandboxHook(BaseHook):
         #: When the running connection test must have answered (monotonic seconds); None outside a test.
         self._test_ends: float | None = None
 
-    def connection_or_none(self) -> Any:
+    def connection_or_none(self, *, otherwise: str | None = None) -> Any:
         """
         The connection this hook names, else its default connection, or None when it is the default
-        connection and does not exist.
+        connection (named or not) and does not exist.
 
         That a default connection does not exist is remembered for the rest of the worker process (one
         task: each ask is a round trip to the supervisor, and a task asks for its hook's settings and
         for its log policy); one defined in the environment (``AIRFLOW_CONN_<NAME>``) is always looked up.
 
-        :raises AirflowNotFoundException: when a connection named explicitly does not exist.
+        :param otherwise: what applies without a connection, for the error about a named one that does
+            not exist (``"the worker's own Docker Engine"``); None raises Airflow's own error instead.
+        :raises SandboxTerminalError: when a connection named explicitly does not exist, with ``otherwise``.
+        :raises AirflowNotFoundException: the same, without ``otherwise``.
         """
         from airflow.exceptions import AirflowNotFoundException
 
         named = getattr(self, self.conn_name_attr, None)
-        if named:
-            return self.get_connection(named)
+        if named and named != self.default_conn_name:
+            try:
+                return self.get_connection(named)
+            except AirflowNotFoundException:
+                if otherwise is None:
+                    raise
+                raise SandboxTerminalError(
+                    f"The Airflow connection {named!r} does not exist. Define it with type {self.conn_type}, or "
+                    f"leave {self.conn_name_attr} unset to use {otherwise}."
+                ) from None
         name = self.default_conn_name
         if name in _MISSING_DEFAULTS and f"AIRFLOW_CONN_{name.upper()}" not in os.environ:
             return None

@@ -173,18 +173,10 @@ class DockerSandboxHook(GatewayEgress, DockerExec, StreamFiles, ShellFiles, Atta
     def _resolved(self) -> dict[str, Any]:
         if self._settings_obj is not None:
             return self._settings_obj
-        from airflow.exceptions import AirflowNotFoundException
-
         host = login = password = None
         extra: dict[str, Any] = {}
-        try:
-            conn = self.get_connection(self.sandbox_conn_id)
-        except AirflowNotFoundException:
-            if self.sandbox_conn_id != self.default_conn_name:
-                raise SandboxTerminalError(
-                    f"The Airflow connection {self.sandbox_conn_id!r} does not exist. Define it with type "
-                    f"sandbox_docker, or leave sandbox_conn_id unset to use the worker's own Docker Engine."
-                ) from None
+        conn = self.connection_or_none(otherwise="the worker's own Docker Engine")
+        if conn is None:
             log.debug("No connection %r; using the worker's Docker Engine defaults", self.sandbox_conn_id)
         else:
             host, login, password = conn.host or None, conn.login or None, conn.password or None

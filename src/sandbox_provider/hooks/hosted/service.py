@@ -28,7 +28,6 @@ __all__ = [
     "check_conn_id",
     "check_service_url",
     "discard",
-    "find_connection",
     "load_connection",
     "resolve_settings",
     "retry_after_seconds",
@@ -124,27 +123,6 @@ def check_conn_id(conn_id: Any, name: str) -> str:
     return conn_id
 
 
-def find_connection(hook: Any, conn_id: str, *, fallback: str) -> Any:
-    """
-    Return ``hook``'s Airflow connection ``conn_id``, or None when it is the hook's default one and
-    is not defined (then ``fallback`` applies).
-
-    :param fallback: what applies without a connection, for the message (``"ISLO_API_KEY on the worker"``).
-    :raises SandboxTerminalError: for a named connection that does not exist.
-    """
-    from airflow.exceptions import AirflowNotFoundException
-
-    try:
-        return hook.get_connection(conn_id)
-    except AirflowNotFoundException:
-        if conn_id != hook.default_conn_name:
-            raise SandboxTerminalError(
-                f"The Airflow connection {conn_id!r} does not exist. Define it with type {hook.conn_type}, or leave "
-                f"{hook.conn_name_attr} unset to use {fallback}."
-            ) from None
-        return None
-
-
 def resolve_settings(table: Any, args: Mapping[str, Any], extra: Mapping[str, Any], conn_id: str) -> dict[str, Any]:
     """``table.resolve`` of hook ``args`` over the connection's ``extra``; a bad extra is a terminal error naming it."""
     try:
@@ -182,7 +160,7 @@ def load_connection(hook: Any, conn_id: str, *, fallback: str) -> ServiceConnect
     :param fallback: what applies without a connection, for the message (``"ISLO_API_KEY"``).
     :raises SandboxTerminalError: for a named connection that does not exist.
     """
-    conn = find_connection(hook, conn_id, fallback=f"{fallback} on the worker")
+    conn = hook.connection_or_none(otherwise=f"{fallback} on the worker")
     if conn is None:
         return ServiceConnection(conn_id)
     host = (conn.host or "").strip() or None

@@ -246,20 +246,9 @@ class OpenSandboxHook(Attachable, SandboxHook):
         return settings
 
     def _connection(self) -> Any:
-        if self.opensandbox_conn_id is None:
+        if self.opensandbox_conn_id is None:  # no connection at all: the SDK's environment variables
             return None
-        from airflow.exceptions import AirflowNotFoundException
-
-        try:
-            return self.get_connection(self.opensandbox_conn_id)
-        except AirflowNotFoundException:
-            if self.opensandbox_conn_id != self.default_conn_name:
-                raise SandboxTerminalError(
-                    f"The Airflow connection {self.opensandbox_conn_id!r} does not exist. Define it with type "
-                    "sandbox_opensandbox, or pass opensandbox_conn_id=None to use OPEN_SANDBOX_DOMAIN and "
-                    "OPEN_SANDBOX_API_KEY."
-                ) from None
-            return None
+        return self.connection_or_none(otherwise="OPEN_SANDBOX_DOMAIN and OPEN_SANDBOX_API_KEY")
 
     def _config(self, token: str | None = None) -> Any:
         deadline = self.patience(float(self._resolved()["request_timeout"])) if self.testing else None

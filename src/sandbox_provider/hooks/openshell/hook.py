@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import IO, Any, ClassVar
 
 from sandbox_provider.hooks.forms.openshell import FORM
-from sandbox_provider.hooks.hosted.service import check_conn_id, find_connection, resolve_settings
+from sandbox_provider.hooks.hosted.service import check_conn_id, resolve_settings
 from sandbox_provider.hooks.openshell import driver
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
@@ -160,7 +160,7 @@ class OpenShellSandboxHook(ShellFiles, SandboxHook):
             return self._settings_obj
         fields: dict[str, Any] = {"host": None, "port": None, "password": None}
         extra: dict[str, Any] = {}
-        conn = find_connection(self, self.openshell_conn_id, fallback="the gateway registered with the openshell CLI")
+        conn = self.connection_or_none(otherwise="the gateway registered with the openshell CLI")
         if conn is not None:
             fields = {"host": conn.host or None, "port": conn.port or None, "password": conn.password or None}
             extra = dict(conn.extra_dejson or {})

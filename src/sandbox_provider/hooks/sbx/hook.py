@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import IO, Any, ClassVar
 
 from sandbox_provider.hooks.forms.sbx import FORM
-from sandbox_provider.hooks.hosted.service import check_conn_id, find_connection, resolve_settings
+from sandbox_provider.hooks.hosted.service import check_conn_id, resolve_settings
 from sandbox_provider.hooks.sbx import driver
 from sandbox_provider.sandbox import guest
 from sandbox_provider.sandbox.errors import SandboxError, SandboxFileTooLargeError, SandboxTerminalError
@@ -159,7 +159,7 @@ class SbxSandboxHook(ShellFiles, SandboxHook):
         with self._lock:
             if self._settings_obj is not None:
                 return self._settings_obj
-            conn = find_connection(self, self.sbx_conn_id, fallback="the hook's arguments and defaults")
+            conn = self.connection_or_none(otherwise="the hook's arguments and defaults")
             extra = dict(conn.extra_dejson or {}) if conn is not None else {}
             settings = resolve_settings(self.settings, self._args, extra, self.sbx_conn_id)
             self._settings_obj = settings
