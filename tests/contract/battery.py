@@ -220,6 +220,9 @@ class SandboxContract:
             task_id="stopped", backend=hook, command="echo started; sleep 600", spec=self.base_spec, timeout=600
         )
         seen: dict[str, str | None] = {}
+        # The stop is sent only while the test's handler is in place: an execute that ended first (a
+        # failure of its own) disarms it, so a late SIGTERM cannot end the whole test process.
+        armed, arming = [True], threading.Lock()
 
         def stop_once_started() -> None:
             # Once the command runs: its first line streamed, or (on a backend that returns output only at
@@ -231,8 +234,13 @@ class SandboxContract:
                 if live is not None and session is not None and session.handle:
                     running_since = running_since or time.monotonic()
                     if live.seen["stdout"][0] >= 1 or time.monotonic() - running_since >= 3:
-                        seen["handle"] = session.handle
-                        os.kill(os.getpid(), signal.SIGTERM)
+                        with arming:
+                            if armed[0]:
+                                seen["handle"] = session.handle
+                                os.kill(os.getpid(), signal.SIGTERM)
+                        return
+                with arming:
+                    if not armed[0]:
                         return
                 threading.Event().wait(0.05)
 
@@ -244,6 +252,8 @@ class SandboxContract:
             with pytest.raises(Exception) as failure:
                 op.execute(context)
         finally:
+            with arming:
+                armed[0] = False
             signal.signal(signal.SIGTERM, previous)
             watcher.join(5)
         message = str(failure.value)
