@@ -806,10 +806,14 @@ def test_lifetime_removes_the_sandbox_of_a_killed_creator(docker_conn, docker_cl
         # The lifetime runs from the create, which under load can start seconds before the handle
         # is printed: the sandbox is judged by its own expiry.
         expires = float(inspected["Config"]["Labels"]["airflow_expires_at"])
+        # What tells a keeper that ended early from a wall clock that was set back (the keeper counts
+        # on /proc/uptime, the label on the wall clock): the wall clock's offset from the boot clock.
+        offset = time.clock_gettime(time.CLOCK_REALTIME) - time.clock_gettime(time.CLOCK_BOOTTIME)
+        last = inspected["State"]
         deadline = expires + 20
         while time.time() < deadline:
             try:
-                docker_client.api.inspect_container(handle)
+                last = docker_client.api.inspect_container(handle)["State"]
             except docker.errors.NotFound:
                 break
             time.sleep(0.5)
@@ -817,7 +821,12 @@ def test_lifetime_removes_the_sandbox_of_a_killed_creator(docker_conn, docker_cl
             pytest.fail(
                 f"{handle} was still on the Engine 20s past its lifetime ({lifetime}s) after its creator was killed"
             )
-        assert time.time() >= expires - 1, f"removed {expires - time.time():.1f}s before its lifetime ended"
+        drift = time.clock_gettime(time.CLOCK_REALTIME) - time.clock_gettime(time.CLOCK_BOOTTIME) - offset
+        assert time.time() >= expires - 1, (
+            f"removed {expires - time.time():.1f}s before its lifetime ended; started at "
+            f"{inspected['State'].get('StartedAt')}, expiry label {expires}, last state seen {last}, the wall "
+            f"clock moved {drift:+.3f}s against the boot clock meanwhile"
+        )
     finally:
         if creator.poll() is None:
             creator.kill()
