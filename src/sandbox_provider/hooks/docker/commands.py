@@ -234,9 +234,9 @@ class DockerExec(batch.ExecTransfers):
         fresh = driver.is_fresh(handle)
         user = labels[driver.USER_LABEL]
         api = self._client().api
+        stdin = options.get("stdin")
         for again in (False, True):
             gate = _StartGate(on_output) if fresh else None
-            stdin = options.get("stdin")
             try:
                 end = docker_exec.run_exec(
                     api,
@@ -256,7 +256,8 @@ class DockerExec(batch.ExecTransfers):
                     gate.close()
             # Some storage drivers (btrfs) give the container's root directory mode 0700 until the
             # keeper opens it: a program started as the command user before then finds no sh at all.
-            if gate is None or again or end.started or gate.started or user == "0:0" or end.stdin_read:
+            # (A program that never started read none of its input: the gate held it.)
+            if gate is None or again or end.started or user == "0:0":
                 break
             if not driver.wait_for_keeper(api, handle):
                 break
