@@ -154,6 +154,28 @@ def add_connection(monkeypatch):
     return _add
 
 
+@pytest.fixture
+def connection_lookups(monkeypatch):
+    """
+    Every connection id asked of Airflow (``BaseHook.get_connection``, every hook's and the task
+    log's), in order, from a process that has not yet found any default connection missing.
+    """
+    from airflow.sdk import BaseHook
+
+    from sandbox_provider.sandbox import hook as base_hook
+
+    monkeypatch.setattr(base_hook, "_MISSING_DEFAULTS", set())
+    asked: list[str] = []
+    real = BaseHook.get_connection.__func__
+
+    def counting(cls, conn_id):
+        asked.append(conn_id)
+        return real(cls, conn_id)
+
+    monkeypatch.setattr(BaseHook, "get_connection", classmethod(counting))
+    return asked
+
+
 @pytest.fixture(scope="session")
 def migrated_airflow_db():
     """Migrate the test AIRFLOW_HOME's SQLite database once per session, for tests that run ``dag.test()``."""

@@ -10,7 +10,6 @@ import pytest
 
 from sandbox_provider.hooks import HOOK_CLASSES, hook_class
 from sandbox_provider.sandbox import SandboxTerminalError
-from sandbox_provider.sandbox import hook as base_hook
 
 #: The backends on a connection type of this provider (Modal and Kubernetes use their providers' own).
 OWN_TYPES = [
@@ -40,22 +39,11 @@ def test_a_missing_named_connection_says_how_to_define_it_or_leave_it_out(path):
 
 
 @pytest.mark.parametrize("path", OWN_TYPES, ids=lambda path: path.rsplit(":", 1)[1])
-def test_a_missing_default_connection_means_defaults_and_is_asked_for_once(path, monkeypatch):
-    from airflow.sdk import BaseHook
-
+def test_a_missing_default_connection_means_defaults_and_is_asked_for_once(path, monkeypatch, connection_lookups):
     cls = hook_class(path)
     monkeypatch.delenv(f"AIRFLOW_CONN_{cls.default_conn_name.upper()}", raising=False)
-    monkeypatch.setattr(base_hook, "_MISSING_DEFAULTS", set())
     for key in ("BOAT_API_KEY", "ISLO_API_KEY"):  # what the hosted backends need without a connection
         monkeypatch.setenv(key, "test-key")
-    asked = []
-    real = BaseHook.get_connection.__func__
-
-    def counting(klass, conn_id):
-        asked.append(conn_id)
-        return real(klass, conn_id)
-
-    monkeypatch.setattr(BaseHook, "get_connection", classmethod(counting))
     for named in (None, cls.default_conn_name, None):  # naming the default one is the same as leaving it out
         assert isinstance(_hook(path, named)._resolved(), dict)
-    assert asked == [cls.default_conn_name]
+    assert connection_lookups == [cls.default_conn_name]

@@ -57,26 +57,17 @@ def test_the_state_root_is_one_per_airflow_instance_and_user(monkeypatch, tmp_pa
     assert os.path.basename(first).startswith(f"airflow-sandbox-{os.getuid()}-")
 
 
-def test_a_missing_default_connection_is_asked_for_once_per_worker_process(monkeypatch, add_connection, tmp_path):
+def test_a_missing_default_connection_is_asked_for_once_per_worker_process(
+    monkeypatch, add_connection, connection_lookups, tmp_path
+):
     """
     A task's hooks ask for sandbox_local_default once (each ask is a round trip to the supervisor),
     its settings and its log policy alike.
     """
     from sandbox_provider.engine.task_log import log_policy
-    from sandbox_provider.sandbox import hook as base_hook
 
     monkeypatch.delenv("AIRFLOW_CONN_SANDBOX_LOCAL_DEFAULT", raising=False)
-    monkeypatch.setattr(base_hook, "_MISSING_DEFAULTS", set())
-    from airflow.sdk import BaseHook
-
-    asked = []
-    real = BaseHook.get_connection.__func__
-
-    def counting(cls, conn_id):
-        asked.append(conn_id)
-        return real(cls, conn_id)
-
-    monkeypatch.setattr(BaseHook, "get_connection", classmethod(counting))  # every hook's, and the task log's
+    asked = connection_lookups
     for _ in range(3):
         assert LocalSandboxHook().state_root == default_state_root()
         assert log_policy({}, LocalSandboxHook(), None).mode == "all"
