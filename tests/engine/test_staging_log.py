@@ -96,3 +96,26 @@ def test_files_that_go_in_with_the_launch_are_announced_before_it_with_no_second
     assert "97.7KB" in line and not CLAIMED.search(line), line  # what goes in, and no seconds it cannot know
     ran = [i for i, text in enumerate(messages) if text == "[stdout] ran"]
     assert ran and staging[0] < ran[0], messages  # said before the command's output, not after it
+
+
+@requires_bwrap
+def test_the_provisioning_line_says_where_a_local_sandbox_lives(tmp_path, caplog):
+    # One line per sandbox made: the engine's, with the backend's words for where it is; the local
+    # hook itself logs nothing more on a create.
+    caplog.set_level(logging.INFO)
+    hook = LocalSandboxHook(state_root=str(tmp_path / "state"), uid_lease_dir=str(tmp_path / "ids"))
+    with SandboxSession(hook) as session:
+        handle = session.ensure()
+        directory = tmp_path / "state" / handle
+        assert directory.is_dir()
+    lines = [line for line in _messages(caplog) if handle in line and "destroy" not in line.lower()]
+    assert len(lines) == 1, _messages(caplog)
+    assert lines[0].startswith(f"Provisioned sandbox {handle} on backend local (in {directory} on this worker); ")
+
+
+def test_a_backend_without_words_for_where_gets_the_plain_line(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    with SandboxSession(FakeSandboxHook(str(tmp_path / "sandboxes"))) as session:
+        handle = session.ensure()
+    provisioned = [line for line in _messages(caplog) if line.startswith("Provisioned sandbox")]
+    assert len(provisioned) == 1 and provisioned[0].startswith(f"Provisioned sandbox {handle} on backend fake; ")

@@ -351,10 +351,12 @@ class SandboxSession:
             if expires is not None
             else ""
         )
+        where = self.hook.location(handle)
         log.info(
-            "Provisioned sandbox %s on backend %s%s; %s",
+            "Provisioned sandbox %s on backend %s%s%s; %s",
             handle,
             self.hook.name,
+            f" ({where})" if where else "",
             lifetime,
             _network_words(self.spec or SandboxSpec()),
         )

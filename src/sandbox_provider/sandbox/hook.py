@@ -455,6 +455,14 @@ class SandboxHook(BaseHook):
         """
         return None
 
+    def location(self, handle: str) -> str | None:
+        """
+        Override point: where sandbox ``handle`` lives, in words for the task log's provisioning line
+        (a directory on this worker, say); None (the default) when the handle says enough.
+        Nothing is contacted.
+        """
+        return None
+
     def network_description(self, spec: SandboxSpec) -> str:
         """
         What a sandbox made from ``spec`` can reach on this backend, in sentences for an agent (the

@@ -226,9 +226,17 @@ class Cgroups:
 
     def members(self, handle: str) -> list[int]:
         """The processes in the sandbox's cgroup (every controller's, merged)."""
+        return self._members(self._paths(handle))
+
+    def _paths(self, handle: str) -> list[str]:
+        """The sandbox's cgroup directory in every controller, whether it exists or not (one path on v2)."""
+        return sorted({os.path.join(parent, handle) for parent in self.parents.values()})
+
+    @staticmethod
+    def _members(paths: list[str]) -> list[int]:
         found: set[int] = set()
-        for path in self._dirs(handle):
-            found.update(_read_pids(os.path.join(path, "cgroup.procs")))
+        for path in paths:
+            found.update(_read_pids(os.path.join(path, "cgroup.procs")))  # none where the directory is missing
         return sorted(found)
 
     def oom_kills(self, handle: str) -> int:
@@ -247,19 +255,16 @@ class Cgroups:
 
     def kill(self, handle: str) -> None:
         """SIGKILL every process of the sandbox and wait (up to 10 s) until its cgroup is empty."""
-        dirs = self._dirs(handle)
-        if not dirs:
-            return
-        kill_file = os.path.join(dirs[0], "cgroup.kill")
-        if self.version == 2 and os.path.exists(kill_file):
-            with contextlib.suppress(FileNotFoundError):
-                _write(kill_file, "1")
+        paths = self._paths(handle)
+        if self.version == 2:
+            with contextlib.suppress(FileNotFoundError):  # no cgroup, or a kernel before 5.14: signalled below
+                _write(os.path.join(paths[0], "cgroup.kill"), "1")
         deadline = time.monotonic() + _KILL_WAIT
         pause = 0.0002  # a command that just ended leaves within a millisecond or so
         while True:
             # Not while this worker's spawner thread sits in the cgroup (v1) to start a command there.
             with spawner.placing:
-                pids = self._processes(handle)
+                pids = self._processes(paths)
                 for pid in pids:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
@@ -268,17 +273,18 @@ class Cgroups:
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
 
-    def _processes(self, handle: str) -> list[int]:
+    def _processes(self, paths: list[str]) -> list[int]:
         """
-        The sandbox's own processes: :meth:`members` less, on v1, a worker whose spawner thread is
-        visiting the cgroup to start a command there (``cgroup.procs`` lists a process when any thread
-        of it is in; a worker's main thread is not, where every sandbox process's is, or has exited).
+        The processes in the cgroup directories ``paths`` that are the sandbox's own: on v1, less a
+        worker whose spawner thread is visiting the cgroup to start a command there (``cgroup.procs``
+        lists a process when any thread of it is in; a worker's main thread is not, where every
+        sandbox process's is, or has exited).
         """
-        found = self.members(handle)
-        if self.version != 1:
+        found = self._members(paths)
+        if self.version != 1 or not found:
             return found
         threads: set[int] = set()
-        for path in self._dirs(handle):
+        for path in paths:
             threads.update(_read_pids(os.path.join(path, "tasks")))
         return [pid for pid in found if pid in threads or (pid != os.getpid() and not running(pid))]
 

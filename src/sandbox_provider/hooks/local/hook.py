@@ -349,8 +349,11 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         self._plans[handle] = self._new_plan(os.path.join(root, handle), record)  # not read back from disk
         if request.spec.has_allowlist:
             self._start_gateway(handle, request)
-        log.info("Sandbox %s lives in %s on this worker", handle, os.path.join(root, handle))
         return handle
+
+    def location(self, handle: str) -> str:
+        """``<state root>/<handle> on this worker``: the sandbox's directory, named in the provisioning log line."""
+        return f"in {os.path.join(self.state_root, handle)} on this worker"
 
     def _fill(self, staging: str, handle: str, request: ProvisionRequest, limits: Mapping[str, Any]) -> dict[str, Any]:
         """Make the sandbox's user, box, cgroup and state in its ``.creating-`` directory; return its record."""
