@@ -12,6 +12,8 @@ With ``TASK_PROCESS_WORKER_LOG=<file>`` this process stays as the worker that st
 ``AIRFLOW_HOME`` must hold a migrated database and ``AIRFLOW__CORE__DAGS_FOLDER`` the Dag file's
 folder. ``LOG_PATH`` is relative to ``[logging] base_log_folder``. The exit status is the task's: 0
 when it succeeded. The task process's pid is written to ``LOG_PATH`` + ``.pid`` once it has started.
+With ``TASK_PROCESS_SECONDS=<file>``, the seconds the supervised try took (from the supervisor's
+start to the task's reported end, the in-process Execution API started before) are appended to that file.
 """
 
 from __future__ import annotations
@@ -128,14 +130,26 @@ def main(argv: list[str]) -> int:
     pid_file = Path(conf.get("logging", "base_log_folder")) / (log_path + ".pid")
     threading.Thread(target=announce_child, args=(pid_file,), daemon=True).start()
     run = getattr(supervisor, "supervise_task", None) or supervisor.supervise
-    return run(
+    client = supervisor.InProcessTestSupervisor._api_client(dag)
+    timed = os.environ.get("TASK_PROCESS_SECONDS")
+    if timed:
+        # The in-process Execution API starts on its first request (2-3 s here); a worker's API server
+        # is up already, so it is started before the clock does.
+        client.get("health/ping").raise_for_status()
+    started = time.perf_counter()
+    code = run(
         ti=workload,
         bundle_info=BundleInfo(name="dags-folder"),
         dag_rel_path=os.path.relpath(dag_file, os.environ["AIRFLOW__CORE__DAGS_FOLDER"]),
         token="",
-        client=supervisor.InProcessTestSupervisor._api_client(dag),
+        client=client,
         log_path=log_path,
     )
+    if timed:
+        # The supervised try alone: the task process forked, its Dag parsed, the task run, its state reported.
+        with open(timed, "a", encoding="ascii") as f:
+            f.write(f"{time.perf_counter() - started:.6f}\n")
+    return code
 
 
 def as_worker(log: str) -> None:
