@@ -352,7 +352,7 @@ class LocalSandboxHook(GatewayEgress, HostReads, LocalFiles, ShellFiles, Attacha
         return handle
 
     def location(self, handle: str) -> str:
-        """``<state root>/<handle> on this worker``: the sandbox's directory, named in the provisioning log line."""
+        """``in <state root>/<handle> on this worker``: the sandbox's directory, for the provisioning log line."""
         return f"in {os.path.join(self.state_root, handle)} on this worker"
 
     def _fill(self, staging: str, handle: str, request: ProvisionRequest, limits: Mapping[str, Any]) -> dict[str, Any]:
