@@ -144,8 +144,11 @@ class Cgroups:
         """The sandbox's cgroup directories: of ``controllers`` (available ones), or every one that exists."""
         if controllers is not None:
             return sorted({os.path.join(self.parents[c], handle) for c in controllers if c in self.parents})
-        every = {os.path.join(parent, handle) for parent in self.parents.values()}
-        return sorted(path for path in every if os.path.isdir(path))
+        return [path for path in self._paths(handle) if os.path.isdir(path)]
+
+    def _paths(self, handle: str) -> list[str]:
+        """The sandbox's cgroup directory in every controller, whether it exists or not (one path on v2)."""
+        return sorted({os.path.join(parent, handle) for parent in self.parents.values()})
 
     def exists(self, handle: str) -> bool:
         """Whether the sandbox has a cgroup on this host (it goes at a reboot)."""
@@ -227,10 +230,6 @@ class Cgroups:
     def members(self, handle: str) -> list[int]:
         """The processes in the sandbox's cgroup (every controller's, merged)."""
         return self._members(self._paths(handle))
-
-    def _paths(self, handle: str) -> list[str]:
-        """The sandbox's cgroup directory in every controller, whether it exists or not (one path on v2)."""
-        return sorted({os.path.join(parent, handle) for parent in self.parents.values()})
 
     @staticmethod
     def _members(paths: list[str]) -> list[int]:
